@@ -1,0 +1,106 @@
+"""Cluster topology: devices on hosts, links between them, and the link a device group pays.
+
+A cluster is held as a networkx graph: one vertex per device (``("dev", rank)``) and per host
+(``("host", i)``), a device-host edge carrying the intra-node link and a host-"network" edge
+carrying the inter-node link. Ranks are numbered host-major, as torchrun numbers them.
+
+>>> c = Cluster.from_spec("2x8xH100")
+>>> c.num_devices, c.devices_per_host, c.device.name
+(16, 8, 'H100-SXM')
+>>> c.group_link(range(8)).bandwidth_Bps == c.device.intra_node_bandwidth_Bps
+True
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import networkx as nx
+
+from autopar.devices import DeviceSpec, get_device
+from autopar.errors import AutoparError, ErrorKind
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s)."""
+
+    bandwidth_Bps: float
+    latency_s: float
+
+
+_SHORTHAND = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*x\s*([A-Za-z][\w.\-]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``hosts`` hosts with ``devices_per_host`` identical devices each (homogeneous spine)."""
+
+    device: DeviceSpec
+    hosts: int
+    devices_per_host: int
+    intra_link: Link
+    inter_link: Link
+    memory_limit_bytes: int
+
+    @classmethod
+    def from_spec(cls, spec: "str | Cluster", memory_limit_bytes: int | None = None) -> "Cluster":
+        """Parse ``"NxDEVICE"`` (one host) or ``"HOSTSxGPUSxDEVICE"``; a Cluster passes through."""
+        if isinstance(spec, Cluster):
+            return spec if memory_limit_bytes is None else cls.homogeneous(
+                spec.device, spec.hosts, spec.devices_per_host, memory_limit_bytes)
+        if not isinstance(spec, str):
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"cluster must be a string like '8xH100' or a Cluster, got {type(spec).__name__}")
+        match = _SHORTHAND.match(spec)
+        if match is None:
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"cannot parse cluster {spec!r}; write 'NxDEVICE' (e.g. '8xH100') "
+                               "or 'HOSTSxGPUSxDEVICE' (e.g. '2x8xA100-80GB')")
+        hosts = int(match.group(1)) if match.group(1) else 1
+        per_host = int(match.group(2))
+        if hosts < 1 or per_host < 1:
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"cluster {spec!r} has {hosts * per_host} devices; it needs at least one")
+        return cls.homogeneous(get_device(match.group(3)), hosts, per_host, memory_limit_bytes)
+
+    @classmethod
+    def homogeneous(cls, device: DeviceSpec, hosts: int, per_host: int,
+                    memory_limit_bytes: int | None = None) -> "Cluster":
+        limit = device.memory_bytes if memory_limit_bytes is None else int(memory_limit_bytes)
+        if limit <= 0:
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"memory limit must be positive, got {limit} bytes; pass e.g. memory_limit=8e9")
+        return cls(device=device, hosts=hosts, devices_per_host=per_host,
+                   intra_link=Link(device.intra_node_bandwidth_Bps, device.intra_node_latency_s),
+                   inter_link=Link(device.inter_node_bandwidth_Bps, device.inter_node_latency_s),
+                   memory_limit_bytes=limit)
+
+    @property
+    def num_devices(self) -> int:
+        return self.hosts * self.devices_per_host
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.devices_per_host
+
+    def graph(self) -> nx.Graph:
+        """The topology as a graph whose edges carry ``link`` attributes."""
+        g = nx.Graph()
+        g.add_node("network")
+        for host in range(self.hosts):
+            g.add_edge(("host", host), "network", link=self.inter_link)
+        for rank in range(self.num_devices):
+            g.add_edge(("dev", rank), ("host", self.host_of(rank)), link=self.intra_link)
+        return g
+
+    def group_link(self, ranks: Iterable[int]) -> Link:
+        """The bottleneck link of a collective over ``ranks``: intra-node if they share a host."""
+        hosts = {self.host_of(r) for r in ranks}
+        return self.intra_link if len(hosts) <= 1 else self.inter_link
+
+    def describe(self) -> str:
+        if self.hosts == 1:
+            return f"{self.devices_per_host}x{self.device.name}"
+        return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"

@@ -1,0 +1,93 @@
+"""Device catalog: peak dense FLOP/s per dtype, memory and memory bandwidth, with sources.
+
+Figures are vendor datasheet numbers for *dense* math (no 2:4 sparsity). ``cpu`` is a
+conservative default for a small x86 host; ``autopar profile`` (cost-model issue) replaces
+it with measured figures.
+
+>>> get_device("H100").name
+'H100-SXM'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.errors import AutoparError, ErrorKind
+
+GB = 10**9
+GiB = 2**30
+TFLOPS = 10**12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or host CPU) kind.
+
+    ``compute_efficiency`` / ``memory_efficiency`` scale datasheet peaks to what real
+    kernels reach (roofline with an efficiency factor).
+    """
+
+    name: str
+    peak_flops: dict[str, float]  # dtype name -> dense FLOP/s
+    memory_bytes: int
+    memory_bandwidth_Bps: float
+    intra_node_bandwidth_Bps: float  # default link between devices of one node
+    intra_node_latency_s: float
+    inter_node_bandwidth_Bps: float  # default network per device between nodes
+    inter_node_latency_s: float
+    compute_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+    source: str = ""
+    aliases: tuple[str, ...] = field(default=())
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak for ``dtype`` (e.g. 'float32'), falling back to fp32 for unknown dtypes."""
+        key = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}.get(dtype, "fp32")
+        return self.peak_flops.get(key, self.peak_flops["fp32"])
+
+
+CATALOG: tuple[DeviceSpec, ...] = (
+    DeviceSpec(
+        name="A100-80GB",
+        peak_flops={"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                    "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+        memory_bytes=80 * GB, memory_bandwidth_Bps=2039 * GB,
+        intra_node_bandwidth_Bps=300 * GB, intra_node_latency_s=2e-6,  # NVLink 3, 600 GB/s bidirectional
+        inter_node_bandwidth_Bps=25 * GB, inter_node_latency_s=5e-6,  # HDR InfiniBand 200 Gb/s per GPU
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB), 2021",
+        aliases=("A100",),
+    ),
+    DeviceSpec(
+        name="H100-SXM",
+        peak_flops={"fp64": 34 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
+                    "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS},
+        memory_bytes=80 * GB, memory_bandwidth_Bps=3350 * GB,
+        intra_node_bandwidth_Bps=450 * GB, intra_node_latency_s=2e-6,  # NVLink 4, 900 GB/s bidirectional
+        inter_node_bandwidth_Bps=50 * GB, inter_node_latency_s=5e-6,  # NDR InfiniBand 400 Gb/s per GPU
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5), 2023",
+        aliases=("H100",),
+    ),
+    DeviceSpec(
+        name="cpu",
+        peak_flops={"fp64": 50e9, "fp32": 100e9, "bf16": 50e9, "fp16": 25e9},
+        memory_bytes=16 * GiB, memory_bandwidth_Bps=20 * GB,
+        intra_node_bandwidth_Bps=2 * GB, intra_node_latency_s=50e-6,  # gloo over loopback TCP
+        inter_node_bandwidth_Bps=1.25 * GB, inter_node_latency_s=100e-6,  # 10 GbE
+        compute_efficiency=0.5, memory_efficiency=0.5,
+        source="uncalibrated default for a 2-core x86 host; replace with `autopar profile`",
+    ),
+)
+
+_BY_NAME: dict[str, DeviceSpec] = {}
+for _spec in CATALOG:
+    for _key in (_spec.name, *_spec.aliases):
+        _BY_NAME[_key.lower()] = _spec
+
+
+def get_device(name: str) -> DeviceSpec:
+    """Look a device up by name or alias, case-insensitively."""
+    spec = _BY_NAME.get(name.strip().lower())
+    if spec is None:
+        known = ", ".join(sorted({s.name for s in CATALOG}))
+        raise AutoparError(ErrorKind.BAD_CLUSTER, f"unknown device {name!r}; known devices: {known}")
+    return spec

@@ -1,0 +1,51 @@
+"""Candidate device meshes for a cluster, and the link each mesh dimension runs over.
+
+A mesh of shape ``(a, b)`` lays ranks out row-major, so the last dimension holds
+consecutive ranks; keeping it inside a host puts tensor-parallel traffic on NVLink.
+
+>>> [m.shape for m in candidate_meshes(Cluster.from_spec("2x4xH100"))]
+[(8,), (4, 2), (2, 4)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.cluster import Cluster, Link
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A logical mesh over ``prod(shape)`` ranks with the link of each dimension."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    links: tuple[Link, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return int(np.prod(self.shape))
+
+
+def mesh_for_shape(cluster: Cluster, shape: tuple[int, ...]) -> MeshSpec:
+    """Link per mesh dim = bottleneck link of the group containing rank 0 along that dim."""
+    ranks = np.arange(cluster.num_devices).reshape(shape)
+    links = []
+    for dim in range(len(shape)):
+        index = [0] * len(shape)
+        index[dim] = slice(None)
+        links.append(cluster.group_link(int(r) for r in ranks[tuple(index)]))
+    names = ("dp",) if len(shape) == 1 else tuple(f"d{i}" for i in range(len(shape)))
+    return MeshSpec(shape=tuple(shape), dim_names=names, links=tuple(links))
+
+
+def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
+    """1-D mesh over all devices, plus 2-D meshes whose inner dim divides a host."""
+    n = cluster.num_devices
+    shapes: list[tuple[int, ...]] = [(n,)]
+    for inner in range(2, n):
+        if n % inner == 0 and cluster.devices_per_host % inner == 0 and n // inner > 1:
+            shapes.append((n // inner, inner))
+    return [mesh_for_shape(cluster, s) for s in shapes]

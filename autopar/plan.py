@@ -1,0 +1,165 @@
+"""The plan: a versioned JSON document people inspect, diff, re-cost and apply later.
+
+Placements are stored as strings, one per mesh dimension joined by commas (``"S(0),R"``);
+strategy *indices* are never stored because they are not stable across processes.
+Wall-clock timings live in ``Plan.timings`` and are not written to disk, so the same model,
+inputs and cluster always give a byte-identical file.
+
+>>> spec = TensorSpec("x", (8, 16), "float32")
+>>> TensorSpec.from_json(spec.to_json()) == spec
+True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.errors import AutoparError, ErrorKind
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix
+
+    @classmethod
+    def of(cls, name: str, tensor) -> "TensorSpec":
+        return cls(name, tuple(int(s) for s in tensor.shape), str(tensor.dtype).removeprefix("torch."))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TensorSpec":
+        return cls(d["name"], tuple(d["shape"]), d["dtype"])
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Chosen strategy of one graph node: placements of its outputs and tensor inputs."""
+
+    op: str
+    outputs: tuple[str | None, ...]
+    inputs: tuple[str, ...]
+    compute_s: float
+    fallback: bool = False  # no sharding rule: run replicated on local tensors
+
+
+@dataclass(frozen=True)
+class ParameterPlan:
+    placement: str
+    bytes: int
+    exchange: str  # how its gradient is synchronised: "allreduce", "reduce_scatter", "none"
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    fingerprint: str
+    cluster: dict[str, Any]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    nodes: dict[str, NodePlan]
+    parameters: dict[str, ParameterPlan]
+    buffers: dict[str, str]
+    predicted_step_s: float
+    predicted_compute_s: float
+    predicted_comm_s: float
+    memory: MemoryBreakdown
+    solver: dict[str, Any]
+    mesh_candidates: tuple[dict[str, Any], ...]
+    options: dict[str, Any]
+    schema_version: int = SCHEMA_VERSION
+    timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.mesh_shape:
+            n *= s
+        return n
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("timings")
+        d["inputs"] = [i.to_json() for i in self.inputs]
+        return json.dumps(d, sort_keys=True, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "<string>") -> "Plan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise AutoparError(ErrorKind.BAD_PLAN,
+                               f"{source} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
+                               f"(byte {exc.pos}); re-create it with `autopar.plan(...).save(path)`") from exc
+        if not isinstance(d, dict):
+            raise AutoparError(ErrorKind.BAD_PLAN, f"{source} holds a JSON {type(d).__name__}, not a plan object")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            hint = "upgrade autopar" if isinstance(version, int) and version > SCHEMA_VERSION else "re-plan the model"
+            raise AutoparError(ErrorKind.BAD_PLAN,
+                               f"{source} has plan schema version {version!r}; this autopar reads version "
+                               f"{SCHEMA_VERSION}: {hint}")
+        try:
+            return cls(
+                fingerprint=d["fingerprint"], cluster=d["cluster"],
+                mesh_shape=tuple(d["mesh_shape"]), mesh_dim_names=tuple(d["mesh_dim_names"]),
+                inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
+                nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"])
+                       for k, v in d["nodes"].items()},
+                parameters={k: ParameterPlan(**v) for k, v in d["parameters"].items()},
+                buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],
+                predicted_compute_s=d["predicted_compute_s"], predicted_comm_s=d["predicted_comm_s"],
+                memory=MemoryBreakdown(**d["memory"]), solver=d["solver"],
+                mesh_candidates=tuple(d["mesh_candidates"]), options=d["options"],
+                schema_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AutoparError(ErrorKind.BAD_PLAN,
+                               f"{source} is not a complete autopar plan: field {exc} is missing or malformed") from exc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: a temp file in the same directory, then rename over ``path``."""
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".autopar-plan-", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"cannot read plan file {os.fspath(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise AutoparError(ErrorKind.BAD_PLAN,
+                           f"{os.fspath(path)} is not a text plan file (undecodable byte at {exc.start})") from exc
+    return Plan.from_json(text, source=os.fspath(path))

@@ -1,0 +1,126 @@
+"""Planning pipeline: capture → costs → strategies per candidate mesh → solve → Plan.
+
+Every candidate mesh (1-D, and 2-D with the inner dim inside a host) is solved and the
+fastest feasible plan wins; ties keep the earlier (simpler) mesh, so results are stable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError, ErrorKind
+from autopar.mesh import MeshSpec, candidate_meshes, mesh_for_shape
+from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
+from autopar.units import format_bytes
+from autopar.problem import ShardingProblem, Solution
+from autopar.passes.capture import Captured
+from autopar.passes.cost import COST_KEY, annotate_costs, tensor_bytes
+from autopar.passes.problem import OPTIMIZER_STATES, OUTPUT, ProblemIndex, build_problem
+from autopar.passes.strategies import FALLBACK_KEY, enumerate_strategies
+from autopar.solvers import get_solver
+
+log = logging.getLogger(__name__)
+
+
+def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw", solver: str = "cpsat",
+              time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None) -> Plan:
+    if optimizer not in OPTIMIZER_STATES:
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
+    start = time.perf_counter()
+    annotate_costs(captured.graph)
+    meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
+    engine = get_solver(solver, time_limit_s=time_limit_s)
+    best = None
+    candidates, lower_bounds = [], []
+    for mesh in meshes:
+        enumerate_strategies(captured.graph, mesh.shape)
+        problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer)
+        solution = engine.solve(problem)
+        candidates.append({"mesh_shape": list(mesh.shape), "status": solution.status,
+                           "predicted_step_s": solution.objective_s if solution.choice else None})
+        if not solution.choice:
+            lower_bounds.append(sum(min(m) for m in problem.node_memory))
+            continue
+        if best is None or solution.objective_s < best[2].objective_s * (1 - 1e-9):
+            best = (mesh, problem, solution, index)
+    if best is None:
+        raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
+    mesh, problem, solution, index = best
+    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer)
+    object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start, "solve_s": solution.solve_s})
+    log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
+    return plan
+
+
+def _checked_shape(shape, cluster: Cluster) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    if math.prod(shape) != cluster.num_devices or any(s < 1 for s in shape):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"mesh_shape {shape} has {math.prod(shape)} devices but the cluster has "
+                           f"{cluster.num_devices}; use a factorisation of {cluster.num_devices}")
+    return shape
+
+
+def _infeasible(cluster: Cluster, needed: int, candidates) -> AutoparError:
+    limit = cluster.memory_limit_bytes
+    return AutoparError(
+        ErrorKind.INFEASIBLE_MEMORY,
+        f"no plan fits in memory on {cluster.describe()}: even the most sharded placement needs at least "
+        f"{needed} bytes ({format_bytes(needed)}) per device, each device has {limit} bytes "
+        f"({format_bytes(limit)}); {max(needed - limit, 0)} bytes over (meshes tried: "
+        f"{[c['mesh_shape'] for c in candidates]}). Fixes: 1) more devices, 2) a smaller batch, "
+        "3) a larger memory_limit or devices with more memory, 4) an optimizer with less state (sgd)")
+
+
+def _joined(placement) -> str | None:
+    return None if placement is None else ",".join(placement)
+
+
+def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
+             index: ProblemIndex, candidates, optimizer: str) -> Plan:
+    nodes_by_name = {n.name: n for n in captured.graph.nodes}
+    nodes, parameters, buffers = {}, {}, {}
+    compute_total = 0.0
+    memory = {"param": 0, "act": 0}
+    states = OPTIMIZER_STATES[optimizer]
+    for i, name in enumerate(index.names):
+        chosen = index.strategies[i][solution.choice[i]]
+        kind = index.kinds[i]
+        compute_total += index.compute_s[i][solution.choice[i]]
+        if kind == "param":
+            fqn = captured.parameter_of[name]
+            val = nodes_by_name[name].meta["val"]
+            split = tuple(d for d, p in enumerate(chosen.outputs[0]) if p.startswith("S("))
+            exchange = "reduce_scatter" if split else "allreduce"
+            parameters[fqn] = ParameterPlan(_joined(chosen.outputs[0]), tensor_bytes(val), exchange)
+            memory["param"] += problem.node_memory[i][solution.choice[i]]
+        elif kind == "buffer":
+            buffers[captured.buffer_of[name]] = _joined(chosen.outputs[0])
+        elif kind in ("op", "input"):
+            node = nodes_by_name[name]
+            nodes[name] = NodePlan(
+                op=str(node.target) if kind == "op" else "input",
+                outputs=tuple(_joined(p) for p in chosen.outputs),
+                inputs=tuple(_joined(p) for p in chosen.inputs),
+                compute_s=index.compute_s[i][solution.choice[i]],
+                fallback=bool(node.meta.get(FALLBACK_KEY, False)))
+            memory["act"] += problem.node_memory[i][solution.choice[i]]
+    per_copy = memory["param"] // (2 + states)
+    return Plan(
+        fingerprint=captured.fingerprint,
+        cluster={"spec": cluster.describe(), "device": cluster.device.name, "hosts": cluster.hosts,
+                 "devices_per_host": cluster.devices_per_host, "memory_limit_bytes": cluster.memory_limit_bytes},
+        mesh_shape=mesh.shape, mesh_dim_names=mesh.dim_names, inputs=tuple(captured.inputs),
+        nodes=nodes, parameters=parameters, buffers=buffers,
+        predicted_step_s=solution.objective_s, predicted_compute_s=compute_total,
+        predicted_comm_s=solution.objective_s - compute_total,
+        memory=MemoryBreakdown(per_copy, per_copy, per_copy * states, memory["act"]),
+        solver={"name": "cpsat", "status": solution.status, "objective_s": solution.objective_s,
+                "bound_s": solution.bound_s, "variables": solution.num_variables,
+                "constraints": solution.num_constraints},
+        mesh_candidates=tuple(candidates), options={"optimizer": optimizer},
+    )

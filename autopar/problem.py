@@ -1,0 +1,69 @@
+"""The sharding problem the solvers see: plain Python, no torch.fx inside.
+
+Each graph node offers strategies, each with a compute cost and a per-device memory term.
+Each edge couples a producer and a consumer through *placement classes*: the producer's
+strategies map to the placement they output on that edge, the consumer's to the placement
+(and work split) they expect, and ``cost[u][v]`` is the resharding time between classes
+(``None`` = not allowed, e.g. turning a replicated tensor into a partial sum).
+
+>>> p = ShardingProblem(
+...     node_names=["a", "b"], node_costs=[[1.0, 2.0], [1.0, 1.0]], node_memory=[[0, 0], [0, 0]],
+...     edges=[Edge(0, 1, src_class=[0, 1], dst_class=[0, 1], cost=[[0.0, 5.0], [5.0, 0.0]])],
+...     memory_limit_bytes=1)
+>>> p.evaluate([0, 0]), p.evaluate([0, 1])
+(2.0, 7.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: int
+    dst: int
+    src_class: list[int]  # producer strategy -> class index u
+    dst_class: list[int]  # consumer strategy -> class index v
+    cost: list[list[float | None]]  # [u][v] seconds, None = forbidden
+
+    def pair_cost(self, s: int, t: int) -> float:
+        c = self.cost[self.src_class[s]][self.dst_class[t]]
+        return math.inf if c is None else c
+
+
+@dataclass(frozen=True)
+class ShardingProblem:
+    node_names: list[str]
+    node_costs: list[list[float]]  # seconds per strategy (compute + fixed communication)
+    node_memory: list[list[int]]  # bytes per device per strategy
+    edges: list[Edge]
+    memory_limit_bytes: int
+    fixed: dict[int, int] = field(default_factory=dict)  # node -> forced strategy
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_names)
+
+    def memory(self, choice: list[int]) -> int:
+        return sum(self.node_memory[i][s] for i, s in enumerate(choice))
+
+    def evaluate(self, choice: list[int]) -> float:
+        """Objective of a full assignment (``inf`` when an edge pair is forbidden)."""
+        total = sum(self.node_costs[i][s] for i, s in enumerate(choice))
+        return total + sum(e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+
+    def feasible(self, choice: list[int]) -> bool:
+        return math.isfinite(self.evaluate(choice)) and self.memory(choice) <= self.memory_limit_bytes
+
+
+@dataclass(frozen=True)
+class Solution:
+    choice: list[int]
+    status: str  # OPTIMAL / FEASIBLE / INFEASIBLE / TIMEOUT
+    objective_s: float
+    bound_s: float
+    solve_s: float
+    num_variables: int
+    num_constraints: int

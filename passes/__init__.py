@@ -1,0 +1,1 @@
+"""Graph passes: capture, cost annotation, strategy enumeration, problem building, lowering."""

@@ -1,0 +1,115 @@
+"""Capture: torch.export (non-strict) to a core-ATen graph on fake tensors.
+
+Planning never runs the model: torch.export traces with fake tensors, so a model built on
+the ``meta`` device or under ``FakeTensorMode`` plans as well as a real one. We decompose to
+core ATen because that is where DTensor's strategy registry and torch's FLOP formulas live
+(composite ops such as ``linear`` or SDPA have neither; see shared/notes/torch-2.13-findings).
+
+Writes nothing into ``node.meta`` beyond what export gives (``val``, ``nn_module_stack``,
+``stack_trace``); returns a :class:`Captured` with the user-facing names of inputs and
+parameters and a structural fingerprint of the graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import TensorSpec
+
+log = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclass
+class Captured:
+    """A decomposed ExportedProgram plus the facts later passes and the plan need."""
+
+    program: torch.export.ExportedProgram
+    inputs: list[TensorSpec]  # user inputs, in call order
+    parameter_of: dict[str, str]  # placeholder name -> parameter FQN
+    buffer_of: dict[str, str]  # placeholder name -> buffer or constant FQN
+    fingerprint: str
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        return self.program.graph
+
+
+def normalize_inputs(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"example_inputs must be a tensor or a tuple of tensors, got {type(example_inputs).__name__}")
+    for i, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"example input #{i} is a {type(value).__name__}; autopar plans tensor inputs only "
+                               "(pass other arguments through a wrapper module)")
+    return tuple(example_inputs)
+
+
+def capture(model: nn.Module, example_inputs) -> Captured:
+    """Export ``model`` on ``example_inputs`` and decompose to core ATen."""
+    if not isinstance(model, nn.Module):
+        raise AutoparError(ErrorKind.BAD_INPUT, f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args = normalize_inputs(example_inputs)
+    if not any(True for _ in model.parameters()):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"{type(model).__name__} has no parameters: there is nothing to shard or replicate; "
+                           "parallelize the model that owns the weights")
+    try:
+        program = torch.export.export(model, args, strict=False)
+        program = program.run_decompositions()
+    except AutoparError:
+        raise
+    except Exception as exc:  # torch raises many types here; we translate them all
+        raise _untraceable(model, exc) from exc
+    program.graph.eliminate_dead_code()
+    if not any(n.op == "call_function" for n in program.graph.nodes):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"{type(model).__name__}.forward performs no tensor operations; nothing to plan")
+    sig = program.graph_signature
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    inputs = [TensorSpec.of(name, placeholders[name].meta["val"]) for name in sig.user_inputs]
+    buffer_of = dict(sig.inputs_to_buffers)
+    buffer_of.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
+    captured = Captured(program, inputs, dict(sig.inputs_to_parameters), buffer_of, fingerprint(program.graph))
+    log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
+    return captured
+
+
+def fingerprint(graph: torch.fx.Graph) -> str:
+    """sha256 over node names, targets and output shapes: equal graphs, equal fingerprints."""
+    h = hashlib.sha256()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+        h.update(f"{node.op}|{node.name}|{node.target}|{shape}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def _untraceable(model: nn.Module, exc: Exception) -> AutoparError:
+    """Name the user's source line that export failed on, and suggest fixes."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(_TORCH_DIR) and "/autopar/" not in f.filename
+              and "/passes/" not in f.filename]
+    where = f"{frames[-1].filename}:{frames[-1].lineno}: `{(frames[-1].line or '').strip()}`" if frames else "unknown location"
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    return AutoparError(
+        ErrorKind.UNTRACEABLE,
+        f"cannot trace {type(model).__name__} with torch.export: {type(exc).__name__}: {first_line}\n"
+        f"  at {where}\n"
+        "  fixes: 1) replace Python control flow on tensor values (`if x.sum() > 0`) with torch.where or torch.cond; "
+        "2) avoid .item()/.tolist()/data-dependent output shapes inside forward; "
+        "3) move unsupported Python side effects (printing, I/O, global state) out of forward",
+    )

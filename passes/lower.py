@@ -1,0 +1,148 @@
+"""Lowering: rewrite the captured graph so it runs the plan on DTensor.
+
+The emitted module is ``ExportedProgram.module()`` with
+  * parameters and buffers replaced by DTensors with the planned placements (parameters are
+    distributed from rank 0, so all ranks start from the same weights);
+  * a ``distribute_input`` node after every user input (each rank slices the full input);
+  * a ``redistribute`` node wherever a consumer was planned with a placement its producer
+    does not give (these are the collectives of the plan, visible in ``pmodel.code``);
+  * ``replicate_constant`` after factory ops, ``local_call`` for ops with no DTensor rule;
+  * ``to_full`` on every output, so callers get plain full tensors.
+Gradients of parameters are brought to the parameter's placement right after they are
+accumulated (a replicated parameter's partial gradient is all-reduced once per step).
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan
+from autopar.passes import runtime
+from autopar.passes.capture import Captured
+from autopar.passes.strategies import tensor_args
+
+MESH_ATTR = "_autopar_mesh"
+
+
+def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> torch.fx.GraphModule:
+    if captured.fingerprint != plan.fingerprint:
+        raise AutoparError(ErrorKind.BAD_PLAN,
+                           f"plan was made for a different graph (fingerprint {plan.fingerprint}, this model "
+                           f"captures as {captured.fingerprint}); re-plan this model")
+    gm = captured.program.module()
+    _distribute_state(gm, plan, mesh, model)
+    setattr(gm, MESH_ATTR, mesh)
+    _rewrite(gm, plan)
+    gm.recompile()
+    return gm
+
+
+def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> None:
+    source = dict(model.named_parameters())
+    for fqn, pplan in plan.parameters.items():
+        owner, attr = _owner(gm, fqn)
+        full = source[fqn].detach() if fqn in source else getattr(owner, attr).detach()
+        param = nn.Parameter(distribute_tensor(full, mesh, runtime.placements(pplan.placement)),
+                             requires_grad=getattr(owner, attr).requires_grad)
+        setattr(owner, attr, param)
+        param.register_post_accumulate_grad_hook(_sync_grad)
+    for name, value in list(gm.named_buffers()):
+        owner, attr = _owner(gm, name)
+        owner._buffers[attr] = distribute_tensor(value, mesh, runtime.placements(",".join(["R"] * mesh.ndim)))
+    for name in list(vars(gm)):
+        value = getattr(gm, name)
+        if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, DTensor)):
+            setattr(gm, name, runtime.replicate_constant(value, mesh))
+
+
+def _sync_grad(param: nn.Parameter) -> None:
+    """Bring an accumulated gradient (e.g. a partial sum) to the parameter's own placement."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _owner(gm: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    path, _, attr = fqn.rpartition(".")
+    return (gm.get_submodule(path) if path else gm), attr
+
+
+def _rewrite(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    graph = gm.graph
+    first = next(iter(graph.nodes))
+    with graph.inserting_before(first), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the mesh is a plain attribute, not a tensor
+        mesh_node = graph.get_attr(MESH_ATTR)
+    produced: dict[str, str | None] = {}  # node name -> placement it carries at run time
+    user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(user_inputs, plan.inputs):
+        planned = plan.nodes[spec.name].outputs[0]
+        new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
+        produced[new.name] = planned
+    replicated = ",".join(["R"] * len(plan.mesh_shape))
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and node.name != mesh_node.name:
+            produced[node.name] = plan.parameters[node.target].placement if node.target in plan.parameters else replicated
+        if node.op != "call_function" or node.target in _RUNTIME_FUNCS:
+            continue
+        nplan = plan.nodes.get(node.name)
+        if nplan is None:  # nodes only the runnable module has (guards, asserts)
+            continue
+        if node.target is operator.getitem:
+            source = plan.nodes[node.args[0].name].outputs[node.args[1]]
+            produced[node.name] = source
+            if source != nplan.inputs[0]:
+                new = _insert_after(graph, node, runtime.redistribute, (node, mesh_node, nplan.inputs[0]))
+                produced[new.name] = nplan.inputs[0]
+            continue
+        for arg, want in zip(tensor_args_of(node), nplan.inputs):
+            have = produced.get(arg.name)
+            if have != want:
+                with graph.inserting_before(node):
+                    moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
+                    moved.meta["val"] = arg.meta.get("val")
+                produced[moved.name] = want
+                node.replace_input_with(arg, moved)
+        if nplan.fallback:
+            node.args = (node.target, mesh_node, *node.args)
+            node.target = runtime.local_call
+        produced[node.name] = nplan.outputs[0] if len(nplan.outputs) == 1 else None
+        if not nplan.inputs and nplan.outputs:
+            new = _insert_after(graph, node, runtime.replicate_constant, (node, mesh_node))
+            produced[new.name] = produced[node.name]
+    out = graph.output_node()
+    flat, _ = tree_flatten(out.args)
+    for arg in {a for a in flat if isinstance(a, torch.fx.Node)}:
+        with graph.inserting_before(out):
+            full = graph.call_function(runtime.to_full, (arg,))
+        out.replace_input_with(arg, full)
+    graph.lint()
+
+
+_RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
+                  runtime.to_full, runtime.local_call}
+
+
+def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor arguments, as in planning; get_attr nodes carry no ``val`` in the runnable module."""
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, torch.fx.Node)
+            and (isinstance(a.meta.get("val"), torch.Tensor) or a.op == "get_attr")]
+
+
+def _insert_after(graph, node, fn, args) -> torch.fx.Node:
+    with graph.inserting_after(node):
+        new = graph.call_function(fn, args)
+    new.meta["val"] = node.meta.get("val")
+    for user in list(node.users):
+        if user is not new:
+            user.replace_input_with(node, new)
+    return new

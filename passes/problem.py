@@ -1,0 +1,233 @@
+"""Build the :class:`ShardingProblem` for one mesh from an annotated graph.
+
+Problem nodes are the graph's placeholders (parameters, buffers, user inputs), its
+call_function nodes and one sink for the outputs (which are gathered to full tensors).
+
+Costs of one training step, per device:
+  * compute: roofline time of the node on its share of the work, ×3 for nodes on the
+    gradient path (forward + two backward matmuls' worth), ×1 otherwise;
+  * resharding on an edge, per mesh dim of n devices over its link (ring formulas in
+    autopar.comm), forward then backward:
+      forward  S→R all-gather · S(i)→S(j) all-to-all · P→R all-reduce · P→S reduce-scatter ·
+               R→S free · anything→P forbidden (DTensor cannot invent partial sums);
+      backward the gradient arrives in the consumer's input placement, or as a partial sum
+               when the input was replicated but the consumer's work is split on that dim, and
+               is converted back to the producer's placement by the same table. This is also
+               where data-parallel gradient all-reduce of a replicated parameter is paid.
+  * memory: parameters + gradients + optimizer states (by their sharding), the user
+    inputs, and every non-view forward output (kept for backward) by its sharding.
+    Partial outputs count in full.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from autopar.cluster import Link
+from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.devices import DeviceSpec
+from autopar.mesh import MeshSpec
+from autopar.problem import Edge, ShardingProblem
+from autopar.passes.capture import Captured
+from autopar.passes.cost import COST_KEY, tensor_bytes
+from autopar.passes.strategies import (
+    STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, tensor_args, work_split)
+
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+OUTPUT = "<output>"
+
+
+@dataclass
+class ProblemIndex:
+    """What each problem node stands for, so a solution maps back to the graph."""
+
+    names: list[str]  # graph node name, or OUTPUT
+    strategies: list[list[Strategy]]
+    kinds: list[str]  # "param", "buffer", "input", "op", "output"
+    compute_s: list[list[float]]
+
+
+def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
+                  optimizer: str = "adamw") -> tuple[ShardingProblem, ProblemIndex]:
+    graph = captured.graph
+    grad_nodes = _gradient_path(graph, captured)
+    names, strategies, kinds, costs, compute, memory = [], [], [], [], [], []
+    position: dict[str, int] = {}
+    states = OPTIMIZER_STATES[optimizer]
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            kind = ("param" if node.name in captured.parameter_of else
+                    "buffer" if node.name in captured.buffer_of else "input")
+            val = node.meta["val"]
+            options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((("R",) * len(mesh.shape),), ())]
+            copies = 2 + states if kind == "param" else 1
+            mem = [copies * tensor_bytes(val) // _shards(s.outputs[0], mesh.shape) for s in options]
+            cost = [0.0] * len(options)
+        elif node.op == "call_function":
+            kind, options = "op", node.meta[STRATEGIES_KEY]
+            factor = 3 if node.name in grad_nodes else 1
+            op_cost = node.meta[COST_KEY]
+            cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape)) for s in options]
+            outs = [v for v in _flat_vals(node)]
+            mem = [0 if op_cost.is_view else sum(
+                tensor_bytes(v) // _shards(p, mesh.shape) for v, p in zip(outs, s.outputs)
+                if p is not None and isinstance(v, torch.Tensor)) for s in options]
+        else:
+            continue
+        position[node.name] = len(names)
+        names.append(node.name)
+        strategies.append(options)
+        kinds.append(kind)
+        costs.append(cost)
+        compute.append(cost)
+        memory.append(mem)
+
+    out_node = graph.output_node()
+    out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
+                if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    sink = Strategy((), tuple(("R",) * len(mesh.shape) for _ in out_args))
+    position[OUTPUT] = len(names)
+    names.append(OUTPUT)
+    strategies.append([sink])
+    kinds.append("output")
+    costs.append([0.0])
+    compute.append([0.0])
+    memory.append([0])
+
+    weights = _parameter_views(graph, captured)
+    edges = []
+    for node in list(graph.nodes):
+        if node.op == "call_function":
+            consumer, args = node, _edge_args(node)
+        elif node is out_node:
+            consumer, args = None, [(a, 0) for a in out_args]
+        else:
+            continue
+        j = position[OUTPUT] if consumer is None else position[consumer.name]
+        for a, (producer, out_index) in enumerate(args):
+            i = position[producer.name]
+            val = _flat_vals(producer)[out_index]
+            edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], val,
+                               producer.name in grad_nodes, producer.name in weights, mesh))
+
+    problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes)
+    return problem, ProblemIndex(names, strategies, kinds, compute)
+
+
+def _flat_vals(node: torch.fx.Node) -> list:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]
+
+
+def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
+    if node.target is operator.getitem:
+        return [(node.args[0], node.args[1])]
+    return [(a, 0) for a in tensor_args(node)]
+
+
+def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    options = []
+    for combo in itertools.product(*[leaf_candidates(val, partial=False)] * len(mesh_shape)):
+        if evenly_sharded(val.shape, combo, mesh_shape):
+            options.append(Strategy((tuple(combo),), ()))
+    return options
+
+
+def _shards(placement: tuple[str, ...], mesh_shape: tuple[int, ...]) -> int:
+    return math.prod(size for p, size in zip(placement, mesh_shape) if p.startswith("S("))
+
+
+def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
+    """Parameters and views of them (a transposed weight is still the weight)."""
+    names = set(captured.parameter_of)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.meta[COST_KEY].is_view and any(
+                a.name in names for a in node.all_input_nodes):
+            names.add(node.name)
+    return names
+
+
+def _gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
+    """Nodes whose floating-point output depends on a parameter (they get a backward)."""
+    on_path = set(captured.parameter_of)
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a.name in on_path for a in node.all_input_nodes):
+            vals = [v for v in _flat_vals(node) if isinstance(v, torch.Tensor)]
+            if any(v.dtype.is_floating_point for v in vals):
+                on_path.add(node.name)
+    return on_path
+
+
+def _edge(i, j, arg, out_index, src_options, dst_options, val, needs_grad, regather, mesh) -> Edge:
+    src_keys = [s.outputs[out_index] for s in src_options]
+    dst_keys = [(t.inputs[arg], _split_mask(t)) for t in dst_options]
+    src_classes = sorted(set(src_keys))
+    dst_classes = sorted(set(dst_keys))
+    cost = [[reshard_s(u, v, split, tensor_bytes(val), needs_grad, mesh, regather) for (v, split) in dst_classes]
+            for u in src_classes]
+    return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost)
+
+
+def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
+    first = next((p for p in strategy.outputs if p is not None), None)
+    if first is None:
+        return ()
+    return tuple(p != "R" for p in first)
+
+
+def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...], nbytes: int,
+              needs_grad: bool, mesh: MeshSpec, regather: bool = False) -> float | None:
+    """Forward (+ backward) time to turn placement ``src`` into ``dst``; None if impossible.
+
+    ``regather`` (parameter edges): a sharded parameter gathered for use is gathered again for
+    backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and
+    gradient collectives are bucketed, so their latency term is dropped.
+    """
+    forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
+    if forward is None or not needs_grad:
+        return forward
+    # parameter gradients are synchronised in buckets (DDP/FSDP), so no per-tensor latency
+    links = tuple(Link(link.bandwidth_Bps, 0.0) for link in mesh.links) if regather else mesh.links
+    grad = tuple(b if b.startswith("S(") else ("P" if split and split[d] and b == "R" else "R")
+                 for d, b in enumerate(dst))
+    want = tuple("R" if a.startswith("P") else a for a in src)
+    total = forward + _sequential_s(grad, want, nbytes, mesh, links)
+    if regather:
+        total += _sequential_s(tuple(a if a.startswith("S(") else "R" for a in src),
+                               tuple("R" if a.startswith("S(") and b == "R" else (a if a.startswith("S(") else "R")
+                                     for a, b in zip(src, dst)), nbytes, mesh, links)
+    return total
+
+
+def _sequential_s(src: tuple[str, ...], dst: tuple[str, ...], nbytes: int, mesh: MeshSpec, links) -> float | None:
+    """Convert one mesh dim at a time, innermost first; each collective moves the tensor
+    as currently sharded on the other dims (a 2-D all-gather costs ¼ + ½ of the bytes)."""
+    current = list(src)
+    total = 0.0
+    for d in reversed(range(len(src))):
+        others = math.prod(size for k, (p, size) in enumerate(zip(current, mesh.shape))
+                           if k != d and p.startswith("S("))
+        step = _transition_s(current[d], dst[d], nbytes / others, mesh.shape[d], links[d])
+        if step is None:
+            return None
+        total += step
+        current[d] = dst[d]
+    return total
+
+
+def _transition_s(a: str, b: str, nbytes: float, n: int, link) -> float | None:
+    if a == b:
+        return 0.0
+    if b.startswith("P"):
+        return None
+    if a == "R":
+        return 0.0
+    if a.startswith("S("):
+        return all_gather_s(nbytes, n, link) if b == "R" else all_to_all_s(nbytes, n, link)
+    return all_reduce_s(nbytes, n, link) if b == "R" else reduce_scatter_s(nbytes, n, link)

@@ -1,0 +1,268 @@
+"""Strategy enumeration: candidate placements per node, taken from DTensor's own registry.
+
+For each mesh dimension we ask DTensor which (output, input) placements an op supports on a
+1-D mesh of that size — single-dim strategy functions, else the op strategy functions fed
+with every candidate input placement — and the strategies on an N-D mesh are the products
+of the per-dimension ones, filtered for even sharding. This is how DTensor itself expands
+single-dim strategies, so the lowered program runs the placements the plan chose.
+Ops DTensor has no rule for run replicated (a warning names them once).
+
+Writes ``node.meta["autopar.strategies"] = [Strategy, ...]`` on call_function nodes.
+A placement string has one entry per mesh dim: ``"S(0),R"``; per dim ``R``, ``S(d)``,
+``P`` (partial sum) or ``P(op)`` for other partial reductions.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _insert_single_dim_replication_strategy,
+)
+from torch.utils._pytree import tree_flatten
+
+log = logging.getLogger(__name__)
+
+STRATEGIES_KEY = "autopar.strategies"
+FALLBACK_KEY = "autopar.fallback"
+
+_warned_ops: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements (one string per mesh dim each) of a node's tensor outputs and tensor inputs."""
+
+    outputs: tuple[tuple[str, ...] | None, ...]
+    inputs: tuple[tuple[str, ...], ...]
+
+
+def placement_str(p) -> str | None:
+    """DTensor placement -> short string; None for placements we do not plan with (strided)."""
+    if type(p) is Replicate:
+        return "R"
+    if type(p) is Shard:
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        name = type(p).__name__
+        if name == "Partial":
+            return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+        return "P(mask)" if "Mask" in name else None
+    return None
+
+
+def parse_placement(s: str):
+    """Inverse of :func:`placement_str` for the placements lowering constructs (R, S(d), P)."""
+    if s == "R":
+        return Replicate()
+    if s.startswith("S("):
+        return Shard(int(s[2:-1]))
+    if s == "P":
+        return Partial()
+    raise ValueError(f"cannot construct placement {s!r}")
+
+
+def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Tensor-valued argument nodes in DTensor's flattening order (args, then kwargs)."""
+    flat, _ = tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def output_vals(node: torch.fx.Node) -> list:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (list, tuple)) else [val]
+
+
+def leaf_candidates(val: torch.Tensor, partial: bool) -> list[str]:
+    out = ["R"] + [f"S({d})" for d in range(val.dim())]
+    return out + ["P"] if partial else out
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh_1d(size: int) -> DeviceMesh:
+    """A mesh object for strategy functions only: no process group is created."""
+    return DeviceMesh("cpu", torch.arange(size), _init_backend=False, _rank=0)
+
+
+def _meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def _schema(node: torch.fx.Node, wrap) -> OpSchema:
+    def convert(a):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            return wrap(v) if isinstance(v, torch.Tensor) else v
+        if isinstance(a, (list, tuple)):
+            return type(a)(convert(x) for x in a)
+        return a
+    return OpSchema(node.target, tuple(convert(a) for a in node.args), {k: convert(v) for k, v in node.kwargs.items()})
+
+
+def _from_single_dim(node, info, n_out, n_in) -> list[tuple]:
+    schema = _schema(node, _meta)
+    rules = info.func(node.target, schema.args_schema, schema.kwargs_schema)
+    rules = _insert_single_dim_replication_strategy([list(r) for r in rules], n_out, n_in)
+    rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
+    return [(tuple(r[:n_out]), tuple(r[n_out:])) for r in rules]
+
+
+def _from_op_strategy(node, func, size) -> list[tuple]:
+    mesh = _mesh_1d(size)
+
+    def candidates(val):
+        return OpStrategy([OpSpec(DTensorSpec(mesh, (parse_placement(p),), tensor_meta=_meta(val)))
+                           for p in leaf_candidates(val, partial=True)])
+
+    result = func(_schema(node, candidates))
+    rules = []
+    for spec in getattr(result, "strategies", []):
+        outs = spec.output_specs if isinstance(spec.output_specs, (list, tuple)) else (spec.output_specs,)
+        rules.append((tuple(o.placements[0] if o is not None else None for o in outs),
+                      tuple(i.placements[0] for i in (spec.input_specs or ()))))
+    return rules
+
+
+def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tuple]] | None:
+    """(outputs, inputs) placement strings on a 1-D mesh of ``size``; None = no DTensor rule."""
+    ins = tensor_args(node)
+    outs = output_vals(node)
+    if node.target is operator.getitem:
+        val = node.meta["val"]
+        return [((p,), (p,)) for p in leaf_candidates(val, partial=True)]
+    if not ins:  # factory ops (arange, full, …) produce replicated constants
+        return [(tuple("R" if isinstance(v, torch.Tensor) else None for v in outs), ())]
+    prop = DTensor._op_dispatcher.sharding_propagator
+    if not _backward_supported(node.target, prop):
+        return None
+    try:
+        if node.target in prop.op_single_dim_strategy_funcs:
+            raw = _from_single_dim(node, prop.op_single_dim_strategy_funcs[node.target], len(outs), len(ins))
+        elif node.target in prop.op_strategy_funcs:
+            raw = _from_op_strategy(node, prop.op_strategy_funcs[node.target], size)
+        else:
+            return None
+    except Exception as exc:  # a DTensor rule that cannot handle these args: treat as missing
+        log.debug("strategy function for %s failed: %s", node.target, exc)
+        return None
+    rules = set()
+    for out_p, in_p in raw:
+        outs_s = tuple(None if p is None else placement_str(p) for p in out_p)
+        ins_s = tuple(placement_str(p) for p in in_p)
+        if len(ins_s) != len(ins) or any(p is None for p in ins_s) or any(
+                o is None and p is not None for o, p in zip(outs_s, out_p)):
+            continue
+        rules.add((outs_s, ins_s))
+    all_r = (tuple("R" if isinstance(v, torch.Tensor) else None for v in outs), ("R",) * len(ins))
+    rules.add(all_r)
+    return sorted(rules, key=lambda r: (r != all_r, r))
+
+
+def _has_rule(op, prop) -> bool:
+    return op in prop.op_single_dim_strategy_funcs or op in prop.op_strategy_funcs or op in prop.op_to_rules
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_supported(op, prop) -> bool:
+    """False when ``aten.<name>_backward`` exists but DTensor has no rule for it (e.g. avg_pool2d):
+    autograd would hit it on DTensors, so the op must run locally instead."""
+    packet = getattr(op, "overloadpacket", None)
+    if packet is None:
+        return True
+    candidates = [getattr(torch.ops.aten, f"{packet.__name__}{suffix}", None)
+                  for suffix in ("_backward", "_dense_backward")]
+    candidates = [c for c in candidates if c is not None]
+    return not candidates or any(_has_rule(getattr(c, name), prop) for c in candidates for name in c.overloads())
+
+
+def evenly_sharded(shape, placements: tuple[str, ...], mesh_shape: tuple[int, ...]) -> bool:
+    parts = [1] * len(shape)
+    for p, size in zip(placements, mesh_shape):
+        if p.startswith("S("):
+            parts[int(p[2:-1])] *= size
+    return all(s % k == 0 and s >= k for s, k in zip(shape, parts) if k > 1)
+
+
+def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
+    """Attach the list of N-D strategies to every call_function node."""
+    cache: dict = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.meta.pop(FALLBACK_KEY, None)
+        per_dim = []
+        for size in mesh_shape:
+            key = _cache_key(node, size)
+            if key not in cache:
+                cache[key] = one_dim_strategies(node, size)
+            per_dim.append(cache[key])
+        custom = node.target in DTensor._op_dispatcher._custom_op_handlers
+        if any(rules is None for rules in per_dim):
+            _warn_fallback(node)
+            node.meta[FALLBACK_KEY] = True
+            per_dim = [[(tuple("R" if isinstance(v, torch.Tensor) else None for v in output_vals(node)),
+                         ("R",) * len(tensor_args(node)))]] * len(mesh_shape)
+        strategies = _combine(node, per_dim, mesh_shape)
+        if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
+            strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
+        node.meta[STRATEGIES_KEY] = strategies
+
+
+def _combine(node, per_dim, mesh_shape) -> list[Strategy]:
+    outs = output_vals(node)
+    in_vals = [a.meta["val"] for a in tensor_args(node)]
+    result = []
+    for combo in itertools.product(*per_dim):
+        out_pl = tuple(None if combo[0][0][k] is None else tuple(c[0][k] for c in combo) for k in range(len(outs)))
+        in_pl = tuple(tuple(c[1][k] for c in combo) for k in range(len(in_vals)))
+        if node.target is operator.getitem:  # its "input" is the producer's output it selects
+            in_pl = out_pl
+        ok = all(evenly_sharded(v.shape, p, mesh_shape) for v, p in zip(outs, out_pl)
+                 if p is not None and isinstance(v, torch.Tensor))
+        ok = ok and all(evenly_sharded(v.shape, p, mesh_shape) for v, p in zip(in_vals, in_pl))
+        if ok:
+            result.append(Strategy(out_pl, in_pl))
+    return result
+
+
+def _shards_dim_twice(placement: tuple[str, ...] | None) -> bool:
+    dims = [p for p in placement or () if p.startswith("S(")]
+    return len(dims) != len(set(dims))
+
+
+def _cache_key(node: torch.fx.Node, size: int):
+    def describe(a):
+        if isinstance(a, torch.fx.Node):
+            v = a.meta.get("val")
+            return (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else repr(v)
+        if isinstance(a, (list, tuple)):
+            return tuple(describe(x) for x in a)
+        return repr(a)
+    out = describe(node) if node.target is operator.getitem else None
+    return (node.target, describe(node.args), describe(node.kwargs), out, size)
+
+
+def _warn_fallback(node: torch.fx.Node) -> None:
+    name = str(node.target)
+    if name not in _warned_ops:
+        _warned_ops.add(name)
+        log.warning("no DTensor sharding rule for %s (first seen at node %s): it runs replicated", name, node.name)
+
+
+def work_split(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
+    """Devices the node's work is divided over: mesh dims where its first output is not replicated."""
+    first = next((p for p in strategy.outputs if p is not None), None)
+    if first is None:
+        return 1
+    return math.prod(size for p, size in zip(first, mesh_shape) if p != "R")

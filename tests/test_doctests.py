@@ -1,0 +1,15 @@
+"""Docstring examples in the types layer are tests too."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["autopar.cluster", "autopar.mesh", "autopar.comm", "autopar.units", "autopar.errors",
+           "autopar.problem", "autopar.plan", "autopar.devices"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0 and result.attempted > 0

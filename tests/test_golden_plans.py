@@ -1,0 +1,62 @@
+"""The solver rediscovers known-good plans (planning only, one process, no process group)."""
+
+from __future__ import annotations
+
+import torch
+
+import autopar
+from models import MLP, Block
+
+
+def _big_mlp():
+    with torch.device("meta"):
+        return MLP(256, 1024, 256, 2), torch.randn(1024, 256)
+
+
+def test_ample_memory_gives_data_parallel():
+    model, x = _big_mlp()
+    plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(4,))
+    assert {p.placement for p in plan.parameters.values()} == {"R"}
+    assert {p.exchange for p in plan.parameters.values()} == {"allreduce"}
+    assert plan.nodes["x"].outputs == ("S(0)",)  # batch sharded
+    assert plan.solver["status"] == "OPTIMAL"
+
+
+def test_memory_below_replicated_footprint_shards_parameters():
+    model, x = _big_mlp()
+    ample = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(4,))
+    replicated_params = ample.memory.params_bytes + ample.memory.grads_bytes + ample.memory.optimizer_bytes
+    tight = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(4,),
+                         memory_limit=ample.memory.activations_bytes + replicated_params // 2)
+    sharded = [fqn for fqn, p in tight.parameters.items() if p.placement != "R"]
+    assert "layers.1.weight" in sharded  # the largest weight is the first to go
+    assert tight.memory.total_bytes <= tight.cluster["memory_limit_bytes"]
+    assert tight.predicted_step_s >= ample.predicted_step_s  # memory is never free
+
+
+def test_transformer_block_on_2d_mesh_is_tensor_parallel():
+    """Large hidden size, few tokens: gradient all-reduce of the weights would dominate,
+    so the planner shards the attention and MLP weights over the mesh instead."""
+    with torch.device("meta"):
+        model, x = Block(4096, 32), torch.randn(2, 64, 4096)
+    plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(2, 2))
+    for fqn in ("qkv.weight", "fc.weight"):  # column-parallel: output features sharded
+        assert plan.parameters[fqn].placement.split(",")[1] == "S(0)", (fqn, plan.parameters[fqn])
+    for fqn in ("proj.weight", "out.weight"):
+        assert "R,R" != plan.parameters[fqn].placement
+    assert plan.parameters["ln1.weight"].placement == "R,R"
+
+
+def test_plan_is_deterministic_byte_for_byte():
+    model, x = _big_mlp()
+    first = autopar.plan(model, (x,), cluster="2x2xH100").to_json()
+    second = autopar.plan(model, (x,), cluster="2x2xH100").to_json()
+    assert first == second
+
+
+def test_plan_picks_the_best_mesh_candidate():
+    model, x = _big_mlp()
+    plan = autopar.plan(model, (x,), cluster="2x2xH100")
+    feasible = [c["predicted_step_s"] for c in plan.mesh_candidates if c["predicted_step_s"] is not None]
+    assert plan.predicted_step_s == min(feasible)
+    assert {tuple(c["mesh_shape"]) for c in plan.mesh_candidates} == {(4,), (2, 2)}

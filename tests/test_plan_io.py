@@ -1,0 +1,49 @@
+"""Plans round-trip through JSON exactly and are written atomically."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import autopar
+from autopar.plan import Plan
+from models import GPT
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    return autopar.plan(GPT(layers=2), (torch.randint(0, 64, (4, 8)),), cluster="2xH100")
+
+
+def test_round_trip_is_exact(gpt_plan, tmp_path):
+    assert Plan.from_json(gpt_plan.to_json()) == gpt_plan
+    path = tmp_path / "plan.json"
+    gpt_plan.save(path)
+    assert autopar.load_plan(path) == gpt_plan
+    assert path.read_text() == gpt_plan.to_json()
+
+
+def test_plan_records_what_people_inspect(gpt_plan):
+    assert gpt_plan.schema_version == 1
+    assert set(gpt_plan.parameters) == {n for n, _ in GPT(layers=2).named_parameters()}
+    assert gpt_plan.solver["status"] in ("OPTIMAL", "FEASIBLE")
+    assert gpt_plan.solver["variables"] > 0
+    assert gpt_plan.predicted_step_s == pytest.approx(gpt_plan.predicted_compute_s + gpt_plan.predicted_comm_s)
+    assert gpt_plan.timings["plan_s"] > 0  # kept in memory, never written
+    assert "timings" not in gpt_plan.to_json()
+
+
+def test_failed_save_leaves_the_old_file_intact(gpt_plan, tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+    path.write_text("old contents")
+
+    def explode(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", explode)
+    with pytest.raises(OSError, match="disk full"):
+        gpt_plan.save(path)
+    assert path.read_text() == "old contents"
+    assert os.listdir(tmp_path) == ["plan.json"]  # no temp file left behind

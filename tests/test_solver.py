@@ -1,0 +1,64 @@
+"""The ILP is exact: it equals brute force on random small problems, and a closed form."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from autopar.problem import Edge, ShardingProblem
+from autopar.solvers.ilp import CpSatSolver
+
+
+def random_problem(rng: random.Random) -> ShardingProblem:
+    n = rng.randint(2, 6)
+    k = [rng.randint(1, 4) for _ in range(n)]
+    costs = [[round(rng.uniform(0, 10), 3) for _ in range(k[i])] for i in range(n)]
+    memory = [[rng.randint(0, 100) for _ in range(k[i])] for i in range(n)]
+    edges = []
+    for j in range(1, n):
+        for i in rng.sample(range(j), rng.randint(1, min(2, j))):
+            src_class = [rng.randint(0, 2) for _ in range(k[i])]
+            dst_class = [rng.randint(0, 2) for _ in range(k[j])]
+            cost = [[None if rng.random() < 0.15 else round(rng.uniform(0, 10), 3) for _ in range(3)]
+                    for _ in range(3)]
+            edges.append(Edge(i, j, src_class, dst_class, cost))
+    limit = rng.randint(50, 100 * n)
+    return ShardingProblem([f"n{i}" for i in range(n)], costs, memory, edges, limit)
+
+
+def brute_force(problem: ShardingProblem) -> float:
+    best = math.inf
+    for choice in itertools.product(*[range(len(c)) for c in problem.node_costs]):
+        if problem.feasible(list(choice)):
+            best = min(best, problem.evaluate(list(choice)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_ilp_equals_brute_force(seed):
+    problem = random_problem(random.Random(seed))
+    expected = brute_force(problem)
+    solution = CpSatSolver(time_limit_s=20).solve(problem)
+    if math.isinf(expected):
+        assert solution.status == "INFEASIBLE"
+    else:
+        assert solution.status == "OPTIMAL"
+        assert problem.feasible(solution.choice)
+        assert solution.objective_s == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_chain_with_reshard_penalty_has_closed_form():
+    """N nodes, 2 strategies; strategy 1 is cheaper by d per node but switching costs r.
+    Optimum: all strategy 1 (cost N·(c−d)) since a single class can't be mixed cheaper."""
+    n, c, d, r = 12, 5.0, 1.0, 3.0
+    edges = [Edge(i, i + 1, [0, 1], [0, 1], [[0.0, r], [r, 0.0]]) for i in range(n - 1)]
+    problem = ShardingProblem([f"l{i}" for i in range(n)], [[c, c - d]] * n, [[0, 0]] * n, edges, 0)
+    solution = CpSatSolver().solve(problem)
+    assert solution.choice == [1] * n
+    assert solution.objective_s == pytest.approx(n * (c - d))
+    # forcing the first node onto strategy 0: switch once (r) if r < d·(n−1), as here
+    fixed = ShardingProblem(problem.node_names, problem.node_costs, problem.node_memory, edges, 0, fixed={0: 0})
+    assert CpSatSolver().solve(fixed).objective_s == pytest.approx(c + r + (n - 1) * (c - d))

@@ -88,6 +88,7 @@ class Plan:
     solver: dict[str, Any]
     mesh_candidates: tuple[dict[str, Any], ...]
     options: dict[str, Any]
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> predicted_step_s, feasible
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -131,7 +132,7 @@ class Plan:
                 buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],
                 predicted_compute_s=d["predicted_compute_s"], predicted_comm_s=d["predicted_comm_s"],
                 memory=MemoryBreakdown(**d["memory"]), solver=d["solver"],
-                mesh_candidates=tuple(d["mesh_candidates"]), options=d["options"],
+                mesh_candidates=tuple(d["mesh_candidates"]), options=d["options"], baselines=d["baselines"],
                 schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:

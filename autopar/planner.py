@@ -6,6 +6,7 @@ fastest feasible plan wins; ties keep the earlier (simpler) mesh, so results are
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -21,6 +22,7 @@ from autopar.passes.cost import COST_KEY, annotate_costs, tensor_bytes
 from autopar.passes.problem import OPTIMIZER_STATES, OUTPUT, ProblemIndex, build_problem
 from autopar.passes.strategies import FALLBACK_KEY, enumerate_strategies
 from autopar.solvers import get_solver
+from autopar.solvers.baselines import BASELINES
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,13 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     engine = get_solver(solver, time_limit_s=time_limit_s)
     best = None
     candidates, lower_bounds = [], []
+    baselines = {}
     for mesh in meshes:
         enumerate_strategies(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer)
         solution = engine.solve(problem)
+        if len(mesh.shape) == 1:
+            baselines = _baselines(problem, index, engine)
         candidates.append({"mesh_shape": list(mesh.shape), "status": solution.status,
                            "predicted_step_s": solution.objective_s if solution.choice else None})
         if not solution.choice:
@@ -50,10 +55,24 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
     mesh, problem, solution, index = best
-    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer)
+    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, baselines)
     object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start, "solve_s": solution.solve_s})
     log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
     return plan
+
+
+def _baselines(problem: ShardingProblem, index: ProblemIndex, engine) -> dict:
+    """DDP / FSDP as fixed parameter and input placements, the rest optimised by the same model."""
+    leaf_options = [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
+                    for kind, options in zip(index.kinds, index.strategies)]
+    result = {}
+    for name, rule in BASELINES.items():
+        fixed = rule(index.kinds, leaf_options)
+        solution = engine.solve(dataclasses.replace(problem, fixed=fixed)) if fixed is not None else None
+        feasible = solution is not None and bool(solution.choice)
+        result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible}
+    result["megatron_tp"] = {"predicted_step_s": None, "feasible": False, "evaluated": False}
+    return result
 
 
 def _checked_shape(shape, cluster: Cluster) -> tuple[int, ...]:
@@ -81,7 +100,7 @@ def _joined(placement) -> str | None:
 
 
 def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
-             index: ProblemIndex, candidates, optimizer: str) -> Plan:
+             index: ProblemIndex, candidates, optimizer: str, baselines: dict) -> Plan:
     nodes_by_name = {n.name: n for n in captured.graph.nodes}
     nodes, parameters, buffers = {}, {}, {}
     compute_total = 0.0
@@ -122,5 +141,5 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         solver={"name": "cpsat", "status": solution.status, "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,
                 "constraints": solution.num_constraints},
-        mesh_candidates=tuple(candidates), options={"optimizer": optimizer},
+        mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines,
     )

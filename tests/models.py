@@ -71,3 +71,9 @@ class ConvNet(nn.Module):
         x = F.max_pool2d(F.relu(self.c1(x)), 2)
         x = F.avg_pool2d(F.relu(self.c2(x)), 2)
         return self.fc(x.flatten(1))
+
+
+def tiny_mlp():
+    """Factory for CLI tests: ``autopar plan models:tiny_mlp``."""
+    torch.manual_seed(0)
+    return MLP(), (torch.randn(8, 16),)

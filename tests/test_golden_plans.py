@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autopar
@@ -20,6 +21,15 @@ def test_ample_memory_gives_data_parallel():
     assert {p.exchange for p in plan.parameters.values()} == {"allreduce"}
     assert plan.nodes["x"].outputs == ("S(0)",)  # batch sharded
     assert plan.solver["status"] == "OPTIMAL"
+    assert plan.baselines["ddp"]["predicted_step_s"] == pytest.approx(plan.predicted_step_s)
+
+
+def test_plan_is_never_slower_than_a_feasible_baseline():
+    model, x = _big_mlp()
+    plan = autopar.plan(model, (x,), cluster="2x2xH100")
+    for name, baseline in plan.baselines.items():
+        if baseline["feasible"]:
+            assert plan.predicted_step_s <= baseline["predicted_step_s"] * (1 + 1e-9), name
 
 
 def test_memory_below_replicated_footprint_shards_parameters():

@@ -1,0 +1,193 @@
+"""The ``autopar`` command line: plan saved models, inspect plans, list devices.
+
+Exit codes: 0 ok, 1 planning failed (infeasible, untraceable, bad plan), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import sys
+
+from autopar.errors import AutoparError, ErrorKind
+
+EXAMPLES = {
+    "plan": "autopar plan examples.gpt:build --cluster 2x8xH100 -o plan.json\n"
+            "autopar plan model.pt2 --cluster 8xH100 --input tokens=8x1024:int64 --json",
+    "show": "autopar show plan.json\nautopar show plan.json --json",
+    "devices": "autopar devices --json",
+}
+
+_INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
+
+
+class UsageError(Exception):
+    """Bad command-line usage: exit code 2."""
+
+
+def parse_input_spec(spec: str, device="cpu"):
+    """``tokens=4x1024:int64`` -> a zero tensor of that shape and dtype on ``device``."""
+    import torch
+
+    match = _INPUT.match(spec.strip())
+    if match is None or not isinstance(getattr(torch, match.group(3), None), torch.dtype):
+        raise UsageError(f"bad --input {spec!r}: write NAME=DIMxDIM:DTYPE, e.g. tokens=4x1024:int64")
+    shape = tuple(int(d) for d in match.group(2).split("x"))
+    return torch.zeros(shape, dtype=getattr(torch, match.group(3)), device=device)
+
+
+def load_model(target: str, input_specs: list[str], trust_pickle: bool):
+    """MODEL is ``package.module:factory``, a torch.export ``.pt2`` or a torch.save'd ``.pt``."""
+    model, inputs = _load_model(target, trust_pickle)
+    if input_specs:
+        params = model.parameters() if hasattr(model, "parameters") else ()
+        device = next((p.device for p in params), "cpu")
+        inputs = tuple(parse_input_spec(s, device) for s in input_specs)
+    if inputs is None:
+        raise UsageError(f"{target} comes without example inputs: pass them with --input NAME=SHAPE:DTYPE")
+    return model, inputs
+
+
+def _load_model(target: str, trust_pickle: bool):
+    """(model, example inputs or None)."""
+    import torch
+
+    sys.path.insert(0, os.getcwd())  # factories and pickled classes resolve like `python -c` would
+    if target.endswith(".pt2"):
+        if not os.path.exists(target):
+            raise UsageError(f"model file {target!r} does not exist")
+        program = torch.export.load(target)
+        return program.module(), tuple(program.example_inputs[0]) if program.example_inputs else None
+    if target.endswith((".pt", ".pth")):
+        if not os.path.exists(target):
+            raise UsageError(f"model file {target!r} does not exist")
+        if not trust_pickle:
+            raise UsageError(f"{target} is a pickle: loading it runs arbitrary code. Pass --trust-pickle if you "
+                             "trust its source, or save the model with torch.export.save(...) as .pt2")
+        try:
+            model = torch.load(target, weights_only=False)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"cannot unpickle {target}: {exc}; run autopar where the model's code is importable") from exc
+        return model, None
+    if ":" not in target:
+        raise UsageError(f"cannot load model {target!r}: give a .pt2/.pt file or package.module:factory")
+    module_name, factory_name = target.split(":", 1)
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"cannot import {target!r}: {exc}") from exc
+    made = factory()
+    if isinstance(made, tuple) and len(made) == 2:
+        return made[0], tuple(made[1])
+    return made, None
+
+
+def summary_json(plan) -> dict:
+    """The stable machine-readable summary (keys are only ever added, never renamed)."""
+    limit = plan.cluster["memory_limit_bytes"]
+    return {
+        "schema_version": plan.schema_version,
+        "status": plan.solver["status"].lower(),
+        "plan_time_s": plan.timings["plan_s"] if plan.timings else None,
+        "predicted_step_s": plan.predicted_step_s,
+        "devices": plan.num_devices,
+        "mesh": {"default": list(plan.mesh_shape)},
+        "stages": [{"devices": plan.num_devices, "mesh": list(plan.mesh_shape),
+                    "predicted_step_s": plan.predicted_step_s}],
+        "peak_memory_bytes": [plan.memory.total_bytes] * plan.num_devices,
+        "memory_limit_bytes": [limit] * plan.num_devices,
+        "baselines": plan.baselines,
+        "parameters": {fqn: {"placement": p.placement, "exchange": p.exchange} for fqn, p in plan.parameters.items()},
+        "solver": {"status": plan.solver["status"].lower(), "objective": plan.solver["objective_s"],
+                   "bound": plan.solver["bound_s"], "solve_s": plan.timings["solve_s"] if plan.timings else None,
+                   "variables": plan.solver["variables"]},
+    }
+
+
+def _cmd_plan(args) -> int:
+    import autopar
+    from autopar.report import summary
+
+    model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
+    plan = autopar.plan(model, inputs, cluster=args.cluster, memory_limit=args.memory_limit,
+                        time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer)
+    if args.output:
+        plan.save(args.output)
+    print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
+    return 0
+
+
+def _cmd_show(args) -> int:
+    import autopar
+    from autopar.report import summary
+
+    plan = autopar.load_plan(args.plan)
+    print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
+    return 0
+
+
+def _cmd_devices(args) -> int:
+    from autopar.devices import CATALOG
+
+    rows = [{"name": d.name, "aliases": list(d.aliases), "peak_flops": d.peak_flops, "memory_bytes": d.memory_bytes,
+             "memory_bandwidth_Bps": d.memory_bandwidth_Bps, "source": d.source} for d in CATALOG]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            print(f"{r['name']:12s} fp32 {r['peak_flops']['fp32'] / 1e12:7.1f} TFLOP/s  "
+                  f"bf16 {r['peak_flops'].get('bf16', 0) / 1e12:7.1f} TFLOP/s  "
+                  f"{r['memory_bytes'] / 1e9:6.1f} GB  {r['memory_bandwidth_Bps'] / 1e9:7.0f} GB/s  {r['source']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_text, description=help_text, epilog="example:\n  " +
+                              EXAMPLES[name].replace("\n", "\n  "), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = command("plan", "plan a saved model (.pt2, .pt, or package.module:factory) for a cluster")
+    p.add_argument("model")
+    p.add_argument("--cluster", required=True, help="e.g. 8xH100 or 2x8xA100-80GB")
+    p.add_argument("--input", action="append", help="example input NAME=SHAPE:DTYPE, e.g. tokens=4x1024:int64")
+    p.add_argument("--memory-limit", type=float, help="bytes per device")
+    p.add_argument("--solver", default="cpsat")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
+    p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
+    p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    p.add_argument("--json", action="store_true", help="print the machine-readable summary")
+    p.set_defaults(run=_cmd_plan)
+
+    s = command("show", "print a saved plan's statistics")
+    s.add_argument("plan")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=_cmd_show)
+
+    d = command("devices", "list the device catalog")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(run=_cmd_devices)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse exits with 2 on usage errors
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except AutoparError as exc:
+        print(f"autopar {args.command}: {exc}", file=sys.stderr)
+        return 2 if exc.kind in (ErrorKind.BAD_INPUT, ErrorKind.BAD_CLUSTER) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Hand-written parallel configurations, expressed as fixed placements of parameters and
+inputs; the ILP fills in the remaining ops, so each baseline is costed by the same model.
+
+``leaf_options[i]`` lists, for problem node i, the placement string of each strategy of a
+parameter or input node (empty for other nodes). One-dimensional meshes only for now.
+
+>>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []])
+{0: 0, 1: 1}
+"""
+
+from __future__ import annotations
+
+
+def _pick(options: list[str], wanted: list[str]) -> int | None:
+    for w in wanted:
+        if w in options:
+            return options.index(w)
+    return None
+
+
+def _fix(kinds, leaf_options, param_wanted, input_wanted) -> dict[int, int] | None:
+    fixed = {}
+    for i, (kind, options) in enumerate(zip(kinds, leaf_options)):
+        wanted = param_wanted if kind == "param" else input_wanted if kind == "input" else None
+        if wanted is None:
+            continue
+        choice = _pick(options, wanted)
+        if choice is None:
+            return None  # e.g. a batch not divisible by the data-parallel degree
+        fixed[i] = choice
+    return fixed
+
+
+def ddp(kinds: list[str], leaf_options: list[list[str]]) -> dict[int, int] | None:
+    """DDP: parameters replicated, inputs split on the batch dim."""
+    return _fix(kinds, leaf_options, ["R"], ["S(0)"])
+
+
+def fsdp(kinds: list[str], leaf_options: list[list[str]]) -> dict[int, int] | None:
+    """FSDP / ZeRO-3: parameters sharded on dim 0 (replicated when too small), batch split."""
+    return _fix(kinds, leaf_options, ["S(0)", "R"], ["S(0)"])
+
+
+BASELINES = {"ddp": ddp, "fsdp": fsdp}

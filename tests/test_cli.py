@@ -1,0 +1,86 @@
+"""The CLI through its real entry point (a subprocess), on a factory, a .pt2 and a .pt."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import MLP
+
+HERE = os.path.dirname(__file__)
+
+
+def autopar(*args, cwd=HERE):
+    exe = shutil.which("autopar")
+    cmd = [exe] if exe else [sys.executable, "-m", "autopar.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, cwd=cwd, timeout=600)
+
+
+def test_plan_factory_json_and_show(tmp_path):
+    out = tmp_path / "plan.json"
+    done = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    for key in ("schema_version", "status", "plan_time_s", "predicted_step_s", "devices", "mesh", "stages",
+                "peak_memory_bytes", "memory_limit_bytes", "baselines", "parameters", "solver"):
+        assert key in summary, key
+    assert summary["status"] == "optimal" and summary["devices"] == 2
+    assert set(summary["baselines"]) >= {"ddp", "fsdp", "megatron_tp"}
+    assert summary["parameters"]["layers.0.weight"]["exchange"] in ("allreduce", "reduce_scatter")
+    shown = autopar("show", str(out), "--json")
+    assert shown.returncode == 0, shown.stderr
+    again = json.loads(shown.stdout)
+    assert again["predicted_step_s"] == summary["predicted_step_s"]
+    table = autopar("show", str(out))
+    assert "memory per device" in table.stdout and "parameters by placement" in table.stdout
+
+
+def test_plan_pt2_and_pt(tmp_path):
+    model, x = MLP(), torch.randn(8, 16)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "mlp.pt2")
+    done = autopar("plan", str(tmp_path / "mlp.pt2"), "--cluster", "2xH100", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["devices"] == 2
+    torch.save(model, tmp_path / "mlp.pt")
+    refused = autopar("plan", str(tmp_path / "mlp.pt"), "--cluster", "2xH100", "--input", "x=8x16:float32")
+    assert refused.returncode == 2 and "--trust-pickle" in refused.stderr
+    done = autopar("plan", str(tmp_path / "mlp.pt"), "--cluster", "2xH100", "--input", "x=8x16:float32",
+                   "--trust-pickle", "--json")
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "models:tiny_mlp"], "--cluster"),
+    (["plan", "models:tiny_mlp", "--cluster", "2xH100", "--input", "x=8by16"], "bad --input"),
+    (["plan", "models:nope", "--cluster", "2xH100"], "cannot import"),
+    (["plan", "models:tiny_mlp", "--cluster", "banana"], "cannot parse cluster"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_usage_errors_exit_2(args, message):
+    done = autopar(*args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_planning_failure_exits_1(tmp_path):
+    done = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "--memory-limit", "1000")
+    assert done.returncode == 1
+    assert "INFEASIBLE_MEMORY" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = autopar("show", str(tmp_path / "bad.json"))
+    assert bad.returncode == 1 and "not valid JSON" in bad.stderr
+
+
+def test_devices_lists_the_catalog():
+    done = autopar("devices", "--json")
+    assert done.returncode == 0
+    names = {d["name"] for d in json.loads(done.stdout)}
+    assert {"A100-80GB", "H100-SXM", "cpu"} <= names
+    assert "example:" in autopar("plan", "--help").stdout

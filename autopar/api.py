@@ -21,18 +21,20 @@ log = logging.getLogger(__name__)
 
 def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", *,
          memory_limit: float | None = None, optimizer: str = "adamw", solver: str = "cpsat",
-         time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None) -> Plan:
+         time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
+         cluster_layers: bool = True) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
     much state each parameter carries (sgd 0, momentum 1, adam/adamw 2 copies).
+    ``cluster_layers`` lets identical layers share decisions (smaller problem, same plan shape).
     """
     from autopar.passes.capture import capture
     from autopar.planner import make_plan
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     return make_plan(capture(model, example_inputs), target, optimizer=optimizer, solver=solver,
-                     time_limit_s=time_limit_s, mesh_shape=mesh_shape)
+                     time_limit_s=time_limit_s, mesh_shape=mesh_shape, cluster_layers=cluster_layers)
 
 
 def apply(model: nn.Module, plan: Plan) -> torch.fx.GraphModule:

@@ -18,6 +18,7 @@ from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
+from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import COST_KEY, annotate_costs, tensor_bytes
 from autopar.passes.problem import OPTIMIZER_STATES, OUTPUT, ProblemIndex, build_problem
 from autopar.passes.strategies import FALLBACK_KEY, enumerate_strategies
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 
 
 def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw", solver: str = "cpsat",
-              time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None) -> Plan:
+              time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
+              cluster_layers: bool = True) -> Plan:
     if optimizer not in OPTIMIZER_STATES:
         raise AutoparError(ErrorKind.BAD_INPUT,
                            f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
@@ -36,12 +38,14 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     annotate_costs(captured.graph)
     meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
     engine = get_solver(solver, time_limit_s=time_limit_s)
+    repeated = find_repeated_layers(captured) if cluster_layers else {}
     best = None
     candidates, lower_bounds = [], []
     baselines = {}
     for mesh in meshes:
         enumerate_strategies(captured.graph, mesh.shape)
-        problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer)
+        problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
+                                       repeated)
         solution = engine.solve(problem)
         if len(mesh.shape) == 1:
             baselines = _baselines(problem, index, engine)
@@ -140,6 +144,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         memory=MemoryBreakdown(per_copy, per_copy, per_copy * states, memory["act"]),
         solver={"name": "cpsat", "status": solution.status, "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,
-                "constraints": solution.num_constraints},
+                "constraints": solution.num_constraints, "nodes": problem.num_nodes,
+                "distinct_nodes": problem.num_nodes - len(problem.same_as)},
         mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines,
     )

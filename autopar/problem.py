@@ -41,6 +41,10 @@ class ShardingProblem:
     edges: list[Edge]
     memory_limit_bytes: int
     fixed: dict[int, int] = field(default_factory=dict)  # node -> forced strategy
+    same_as: dict[int, int] = field(default_factory=dict)  # node -> representative (repeated layers)
+
+    def representative(self, i: int) -> int:
+        return self.same_as.get(i, i)
 
     @property
     def num_nodes(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._redistribute import Redistribute
 from torch.utils._pytree import tree_map
 
 from autopar.passes.strategies import parse_placement
@@ -27,6 +28,12 @@ def redistribute(x: DTensor, mesh, spec: str) -> DTensor:
     target = placements(spec)
     if tuple(x.placements) == target:
         return x
+    if any(p.is_partial() and p != q for p, q in zip(target, x.placements)):
+        # Replicate→Partial (a replicated bias into a row-parallel matmul): public redistribute
+        # refuses it ("internal use only"); the autograd function behind it supports it.
+        dtype = x.dtype
+        options = {"op_dtype": dtype, "out_dtype": dtype}
+        return Redistribute.apply(x, mesh, target, False, {**options, "backward_options": dict(options)})
     return x.redistribute(mesh, target)
 
 

@@ -121,13 +121,25 @@ def _from_single_dim(node, info, n_out, n_in) -> list[tuple]:
 def _from_op_strategy(node, func, size) -> list[tuple]:
     mesh = _mesh_1d(size)
 
-    def candidates(val):
+    def candidates(val):  # only even shardings: some strategy functions raise on uneven ones
         return OpStrategy([OpSpec(DTensorSpec(mesh, (parse_placement(p),), tensor_meta=_meta(val)))
-                           for p in leaf_candidates(val, partial=True)])
+                           for p in leaf_candidates(val, partial=True) if evenly_sharded(val.shape, (p,), (size,))])
 
-    result = func(_schema(node, candidates))
+    try:
+        specs = list(getattr(func(_schema(node, candidates)), "strategies", []))
+    except Exception:
+        if len(tensor_args(node)) != 1:
+            raise
+        # view functions raise on a whole candidate set when one candidate cannot flatten or
+        # unflatten evenly: ask again one input placement at a time and keep those that work
+        specs = []
+        for one in candidates(tensor_args(node)[0].meta["val"]).strategies:
+            try:
+                specs += getattr(func(_schema(node, lambda _v, one=one: OpStrategy([one]))), "strategies", [])
+            except Exception:
+                continue
     rules = []
-    for spec in getattr(result, "strategies", []):
+    for spec in specs:
         outs = spec.output_specs if isinstance(spec.output_specs, (list, tuple)) else (spec.output_specs,)
         rules.append((tuple(o.placements[0] if o is not None else None for o in outs),
                       tuple(i.placements[0] for i in (spec.input_specs or ()))))

@@ -84,8 +84,14 @@ class CpSatSolver:
 
     @staticmethod
     def _one_strategy(model: cp_model.CpModel, problem: ShardingProblem) -> list[list[cp_model.IntVar]]:
-        x = []
+        """x[i] rows; a node of a repeated layer reuses its representative's row."""
+        x: list[list[cp_model.IntVar]] = []
         for i, name in enumerate(problem.node_names):
+            rep = problem.representative(i)
+            if rep != i:
+                assert rep < i and len(problem.node_costs[rep]) == len(problem.node_costs[i]), (name, rep)
+                x.append(x[rep])
+                continue
             row = [model.new_bool_var(f"x[{name},{s}]") for s in range(len(problem.node_costs[i]))]
             model.add_exactly_one(row).with_name(f"one_strategy[{name}]")
             x.append(row)
@@ -95,7 +101,16 @@ class CpSatSolver:
     def _edges(model: cp_model.CpModel, problem: ShardingProblem,
                x: list[list[cp_model.IntVar]]) -> list[tuple[cp_model.IntVar, float]]:
         terms: list[tuple[cp_model.IntVar, float]] = []
+        shared: dict[tuple, dict[tuple[int, int], cp_model.IntVar]] = {}  # repeated-layer edges
         for k, e in enumerate(problem.edges):
+            key = (problem.representative(e.src), problem.representative(e.dst), tuple(e.src_class), tuple(e.dst_class))
+            if key in shared and shared[key] is not None:  # same pair variables as an earlier copy
+                for (u, v), y in shared[key].items():
+                    if e.cost[u][v] is None:
+                        model.add(y == 0)
+                    elif e.cost[u][v]:
+                        terms.append((y, e.cost[u][v]))
+                continue
             src_members: dict[int, list[int]] = defaultdict(list)
             dst_members: dict[int, list[int]] = defaultdict(list)
             for s, u in enumerate(e.src_class):
@@ -104,15 +119,18 @@ class CpSatSolver:
                 dst_members[v].append(t)
             if len(src_members) == 1 or len(dst_members) == 1:
                 terms += _fold_edge(model, e, x, src_members, dst_members)
+                shared[key] = None
                 continue
             rows: dict[int, list[cp_model.IntVar]] = defaultdict(list)
             cols: dict[int, list[cp_model.IntVar]] = defaultdict(list)
+            shared[key] = pairs = {}
             for u in src_members:
                 for v in dst_members:
                     cost = e.cost[u][v]
                     if cost is None:
                         continue
                     y = model.new_bool_var(f"y[{k},{u},{v}]")
+                    pairs[(u, v)] = y
                     rows[u].append(y)
                     cols[v].append(y)
                     if cost:

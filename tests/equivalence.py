@@ -68,9 +68,27 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     return errors
 
 
-def run_cases(cases: list) -> list:
+def run_cases(cases: list, contract: bool = False) -> list:
     results = []
     for case in cases:
         results.append(check_case(*case))
         dist.barrier()
+    if contract:
+        results.append(check_contract())
     return results
+
+
+def check_contract() -> dict:
+    """API contract inside a process group: world-size mismatch and the readable lowered code."""
+    result = {}
+    model, x = models.MLP(), torch.randn(8, 16)
+    plan = autopar.plan(model, (x,), cluster="4xH100")
+    try:
+        autopar.apply(model, plan)
+        result["mismatch"] = "no error"
+    except autopar.AutoparError as exc:
+        result["mismatch"] = f"{exc.kind.value}: {exc.message}"
+    pmodel = autopar.parallelize(model, (torch.randn(64, 16),), cluster="2xH100")
+    result["code"] = pmodel.code
+    result["is_graph_module"] = isinstance(pmodel, torch.fx.GraphModule)
+    return result

@@ -47,7 +47,12 @@ def _check(cases, results):
 
 @pytest.mark.distributed
 def test_equivalence_two_processes():
-    _check(WORLD2, run_world(2, run_cases, WORLD2))
+    *results, contract = run_world(2, run_cases, WORLD2, True)
+    _check(WORLD2, results)
+    assert contract["mismatch"].startswith("WORLD_MISMATCH: plan is for 4 devices (mesh [4]) but the process group has 2 ranks")
+    assert contract["is_graph_module"]
+    code = contract["code"]
+    assert "distribute_input(" in code and "to_full(" in code  # the plan's collectives are visible
 
 
 @pytest.mark.distributed

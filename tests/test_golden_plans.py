@@ -44,17 +44,22 @@ def test_memory_below_replicated_footprint_shards_parameters():
     assert tight.predicted_step_s >= ample.predicted_step_s  # memory is never free
 
 
-def test_transformer_block_on_2d_mesh_is_tensor_parallel():
-    """Large hidden size, few tokens: gradient all-reduce of the weights would dominate,
-    so the planner shards the attention and MLP weights over the mesh instead."""
+@pytest.mark.parametrize("mesh, dim", [((4,), 0), ((2, 2), 1)])
+def test_transformer_block_gets_megatron_column_row_pattern(mesh, dim):
+    """Large hidden size, few tokens: gradient all-reduce of replicated weights would dominate,
+    so the planner shards the weights Megatron-style: qkv and fc column-parallel (output
+    features, dim 0 of the (out, in) weight), proj and out row-parallel (input features)."""
     with torch.device("meta"):
         model, x = Block(4096, 32), torch.randn(2, 64, 4096)
-    plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(2, 2))
-    for fqn in ("qkv.weight", "fc.weight"):  # column-parallel: output features sharded
-        assert plan.parameters[fqn].placement.split(",")[1] == "S(0)", (fqn, plan.parameters[fqn])
-    for fqn in ("proj.weight", "out.weight"):
-        assert "R,R" != plan.parameters[fqn].placement
-    assert plan.parameters["ln1.weight"].placement == "R,R"
+    plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=mesh)
+
+    def on_dim(fqn):
+        return plan.parameters[fqn].placement.split(",")[dim]
+
+    assert [on_dim(f) for f in ("qkv.weight", "proj.weight", "fc.weight", "out.weight")] == \
+        ["S(0)", "S(1)", "S(0)", "S(1)"], {k: v.placement for k, v in plan.parameters.items()}
+    assert on_dim("ln1.weight") == "R"
+    assert not any(n.fallback for n in plan.nodes.values())  # every op had a DTensor rule
 
 
 def test_plan_is_deterministic_byte_for_byte():

@@ -1,0 +1,79 @@
+"""Repeated-layer detection: identical layers share the solver's decision variables.
+
+A layer is a module reached through a ModuleList/Sequential index (``blocks.3``). Two layers
+of one list are identical when their nodes have the same ops, shapes, parameter names and
+internal wiring; the later layer's nodes are then mapped onto the first one's. The solver
+gives mapped nodes the representative's variables, so all copies take the same placements
+and the cost of each copy is still counted (PyTorch autoparallel and Alpa's operator
+clustering do the same).
+
+>>> layer_of_path("blocks.3.attn.qkv")
+'blocks.3'
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import torch
+
+from autopar.passes.capture import Captured
+
+SAME_AS_KEY = "autopar.same_as"
+_INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def layer_of_path(path: str) -> str | None:
+    """Outermost indexed module of a dotted path (``blocks.3`` of ``blocks.3.qkv``)."""
+    match = _INDEXED.match(path)
+    return match.group(1) if match else None
+
+
+def _layer_of(node: torch.fx.Node, captured: Captured) -> tuple[str, str] | None:
+    """(layer path, node's name inside the layer) or None for nodes outside repeated layers."""
+    if node.op == "placeholder":
+        fqn = captured.parameter_of.get(node.name) or captured.buffer_of.get(node.name)
+        layer = layer_of_path(fqn) if fqn else None
+        return (layer, fqn[len(layer) + 1:]) if layer else None
+    if node.op != "call_function":
+        return None
+    for path, _cls in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+        layer = layer_of_path(path)
+        if layer:
+            return layer, str(node.target)
+    return None
+
+
+def find_repeated_layers(captured: Captured) -> dict[str, str]:
+    """Map each node of a repeated layer to the matching node of the first identical layer."""
+    members: dict[str, list[torch.fx.Node]] = defaultdict(list)
+    local: dict[str, str] = {}
+    for node in captured.graph.nodes:
+        found = _layer_of(node, captured)
+        if found:
+            members[found[0]].append(node)
+            local[node.name] = found[1]
+    families: dict[str, list[str]] = defaultdict(list)
+    for layer in members:
+        families[layer.rsplit(".", 1)[0]].append(layer)
+    same_as: dict[str, str] = {}
+    for layers in families.values():
+        signatures = {layer: _signature(members[layer], local) for layer in layers}
+        for layer in layers[1:]:
+            rep = next(r for r in layers if signatures[r] == signatures[layer])
+            if rep != layer:
+                same_as.update({a.name: b.name for a, b in zip(members[layer], members[rep])})
+    return same_as
+
+
+def _signature(nodes: list[torch.fx.Node], local: dict[str, str]) -> tuple:
+    position = {n.name: k for k, n in enumerate(nodes)}
+
+    def shape(n):
+        v = n.meta.get("val")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in vals)
+
+    return tuple((n.op, local[n.name], shape(n),
+                  tuple(position.get(a.name, "outside") for a in n.all_input_nodes)) for n in nodes)

@@ -19,6 +19,8 @@ EXAMPLES = {
             "autopar plan model.pt2 --cluster 8xH100 --input tokens=8x1024:int64 --json",
     "show": "autopar show plan.json\nautopar show plan.json --json",
     "devices": "autopar devices --json",
+    "validate": "autopar validate plan.json examples.gpt:build",
+    "diff": "autopar diff plan-8xH100.json plan-2x8xH100.json\nautopar diff a.json b.json --json",
 }
 
 _INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
@@ -129,6 +131,37 @@ def _cmd_show(args) -> int:
     return 0
 
 
+def _cmd_diff(args) -> int:
+    import autopar
+    from autopar.report import diff, diff_text
+
+    result = diff(autopar.load_plan(args.a), autopar.load_plan(args.b))
+    print(json.dumps(result, indent=1) if args.json else diff_text(result))
+    return 0
+
+
+def _cmd_validate(args) -> int:
+    import autopar
+    from autopar.passes.capture import capture
+
+    plan = autopar.load_plan(args.plan)
+    model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
+    captured = capture(model, inputs)
+    names = {n for n, _ in model.named_parameters()}
+    problems = []
+    if captured.fingerprint != plan.fingerprint:
+        problems.append(f"graph fingerprint {captured.fingerprint} differs from the plan's {plan.fingerprint}")
+    if names != set(plan.parameters):
+        missing, extra = sorted(set(plan.parameters) - names), sorted(names - set(plan.parameters))
+        problems.append(f"parameters differ: plan-only {missing[:5]}, model-only {extra[:5]}")
+    result = {"valid": not problems, "problems": problems}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print("plan matches the model" if not problems else "plan does not match the model:\n  " + "\n  ".join(problems))
+    return 0 if not problems else 1
+
+
 def _cmd_devices(args) -> int:
     from autopar.devices import CATALOG
 
@@ -169,6 +202,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_cmd_show)
+
+    f = command("diff", "compare two plans: placements that changed and the predicted effect")
+    f.add_argument("a")
+    f.add_argument("b")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(run=_cmd_diff)
+
+    v = command("validate", "check that a plan was made for this model's graph")
+    v.add_argument("plan")
+    v.add_argument("model")
+    v.add_argument("--input", action="append", help="example input NAME=SHAPE:DTYPE")
+    v.add_argument("--trust-pickle", action="store_true")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(run=_cmd_validate)
 
     d = command("devices", "list the device catalog")
     d.add_argument("--json", action="store_true")

@@ -68,6 +68,94 @@ CATALOG: tuple[DeviceSpec, ...] = (
         aliases=("H100",),
     ),
     DeviceSpec(
+        name="A100-40GB",
+        peak_flops={"fp64": 9.7 * TFLOPS, "fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+                    "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS},
+        memory_bytes=40 * GB, memory_bandwidth_Bps=1555 * GB,
+        intra_node_bandwidth_Bps=300 * GB, intra_node_latency_s=2e-6,
+        inter_node_bandwidth_Bps=25 * GB, inter_node_latency_s=5e-6,
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB), 2021",
+    ),
+    DeviceSpec(
+        name="V100-32GB",
+        peak_flops={"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS, "bf16": 15.7 * TFLOPS},
+        memory_bytes=32 * GB, memory_bandwidth_Bps=900 * GB,
+        intra_node_bandwidth_Bps=150 * GB, intra_node_latency_s=3e-6,  # NVLink 2, 300 GB/s bidirectional
+        inter_node_bandwidth_Bps=12.5 * GB, inter_node_latency_s=5e-6,  # EDR InfiniBand 100 Gb/s
+        source="NVIDIA Tesla V100 datasheet (SXM2 32GB), 2020; no bf16 tensor cores (fp32 rate)",
+        aliases=("V100",),
+    ),
+    DeviceSpec(
+        name="H100-PCIe",
+        peak_flops={"fp64": 26 * TFLOPS, "fp32": 51 * TFLOPS, "tf32": 378 * TFLOPS,
+                    "bf16": 756 * TFLOPS, "fp16": 756 * TFLOPS, "fp8": 1513 * TFLOPS},
+        memory_bytes=80 * GB, memory_bandwidth_Bps=2000 * GB,
+        intra_node_bandwidth_Bps=64 * GB, intra_node_latency_s=5e-6,  # PCIe Gen5 x16
+        inter_node_bandwidth_Bps=50 * GB, inter_node_latency_s=5e-6,
+        source="NVIDIA H100 Tensor Core GPU datasheet (PCIe), 2023",
+    ),
+    DeviceSpec(
+        name="H200",
+        peak_flops={"fp64": 34 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 494.7 * TFLOPS,
+                    "bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS},
+        memory_bytes=141 * GB, memory_bandwidth_Bps=4800 * GB,
+        intra_node_bandwidth_Bps=450 * GB, intra_node_latency_s=2e-6,
+        inter_node_bandwidth_Bps=50 * GB, inter_node_latency_s=5e-6,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM), 2024",
+        aliases=("H200-SXM",),
+    ),
+    DeviceSpec(
+        name="B200",
+        peak_flops={"fp64": 40 * TFLOPS, "fp32": 80 * TFLOPS, "tf32": 1100 * TFLOPS,
+                    "bf16": 2250 * TFLOPS, "fp16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS},
+        memory_bytes=180 * GB, memory_bandwidth_Bps=7700 * GB,
+        intra_node_bandwidth_Bps=900 * GB, intra_node_latency_s=2e-6,  # NVLink 5, 1.8 TB/s bidirectional
+        inter_node_bandwidth_Bps=50 * GB, inter_node_latency_s=5e-6,
+        source="NVIDIA HGX B200 datasheet (per GPU, dense), 2024",
+    ),
+    DeviceSpec(
+        name="L4",
+        peak_flops={"fp32": 30.3 * TFLOPS, "tf32": 60 * TFLOPS, "bf16": 121 * TFLOPS,
+                    "fp16": 121 * TFLOPS, "fp8": 242.5 * TFLOPS},
+        memory_bytes=24 * GB, memory_bandwidth_Bps=300 * GB,
+        intra_node_bandwidth_Bps=32 * GB, intra_node_latency_s=5e-6,  # PCIe Gen4 x16
+        inter_node_bandwidth_Bps=3.125 * GB, inter_node_latency_s=20e-6,  # 100 GbE shared by 4 GPUs
+        source="NVIDIA L4 Tensor Core GPU datasheet, 2023 (dense)",
+    ),
+    DeviceSpec(
+        name="T4",
+        peak_flops={"fp32": 8.1 * TFLOPS, "fp16": 65 * TFLOPS, "bf16": 8.1 * TFLOPS},
+        memory_bytes=16 * GB, memory_bandwidth_Bps=320 * GB,
+        intra_node_bandwidth_Bps=16 * GB, intra_node_latency_s=5e-6,  # PCIe Gen3 x16
+        inter_node_bandwidth_Bps=3.125 * GB, inter_node_latency_s=20e-6,
+        source="NVIDIA T4 Tensor Core GPU datasheet, 2019; no bf16 tensor cores (fp32 rate)",
+    ),
+    DeviceSpec(
+        name="A10G",
+        peak_flops={"fp32": 31.2 * TFLOPS, "tf32": 62.5 * TFLOPS, "bf16": 125 * TFLOPS, "fp16": 125 * TFLOPS},
+        memory_bytes=24 * GB, memory_bandwidth_Bps=600 * GB,
+        intra_node_bandwidth_Bps=32 * GB, intra_node_latency_s=5e-6,
+        inter_node_bandwidth_Bps=3.125 * GB, inter_node_latency_s=20e-6,
+        source="NVIDIA A10 Tensor Core GPU datasheet, 2021 (dense); AWS G5 A10G memory bandwidth",
+    ),
+    DeviceSpec(
+        name="MI250X",
+        peak_flops={"fp64": 95.7 * TFLOPS, "fp32": 95.7 * TFLOPS, "bf16": 383 * TFLOPS, "fp16": 383 * TFLOPS},
+        memory_bytes=128 * GB, memory_bandwidth_Bps=3276.8 * GB,
+        intra_node_bandwidth_Bps=100 * GB, intra_node_latency_s=3e-6,  # Infinity Fabric links
+        inter_node_bandwidth_Bps=25 * GB, inter_node_latency_s=5e-6,  # Slingshot 200 Gb/s
+        source="AMD Instinct MI250X datasheet, 2021 (matrix rates)",
+    ),
+    DeviceSpec(
+        name="MI300X",
+        peak_flops={"fp64": 163.4 * TFLOPS, "fp32": 163.4 * TFLOPS, "tf32": 653.7 * TFLOPS,
+                    "bf16": 1307.4 * TFLOPS, "fp16": 1307.4 * TFLOPS, "fp8": 2614.9 * TFLOPS},
+        memory_bytes=192 * GB, memory_bandwidth_Bps=5300 * GB,
+        intra_node_bandwidth_Bps=300 * GB, intra_node_latency_s=3e-6,  # 7 Infinity Fabric links (assumed ring bus bw)
+        inter_node_bandwidth_Bps=50 * GB, inter_node_latency_s=5e-6,
+        source="AMD Instinct MI300X datasheet, 2023 (dense matrix rates)",
+    ),
+    DeviceSpec(
         name="cpu",
         peak_flops={"fp64": 50e9, "fp32": 100e9, "bf16": 50e9, "fp16": 25e9},
         memory_bytes=16 * GiB, memory_bandwidth_Bps=20 * GB,

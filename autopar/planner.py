@@ -46,9 +46,10 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
         enumerate_strategies(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated)
-        solution = engine.solve(problem)
+        hint = None
         if len(mesh.shape) == 1:
-            baselines = _baselines(problem, index, engine)
+            baselines, hint = _baselines(problem, index, engine)
+        solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
         candidates.append({"mesh_shape": list(mesh.shape), "status": solution.status,
                            "predicted_step_s": solution.objective_s if solution.choice else None})
         if not solution.choice:
@@ -65,18 +66,21 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     return plan
 
 
-def _baselines(problem: ShardingProblem, index: ProblemIndex, engine) -> dict:
-    """DDP / FSDP as fixed parameter and input placements, the rest optimised by the same model."""
+def _baselines(problem: ShardingProblem, index: ProblemIndex, engine) -> tuple[dict, list[int] | None]:
+    """DDP / FSDP as fixed parameter and input placements, the rest optimised by the same model.
+    Returns their predictions and the best feasible one's assignment (a warm start)."""
     leaf_options = [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
                     for kind, options in zip(index.kinds, index.strategies)]
-    result = {}
+    result, best = {}, None
     for name, rule in BASELINES.items():
         fixed = rule(index.kinds, leaf_options)
         solution = engine.solve(dataclasses.replace(problem, fixed=fixed)) if fixed is not None else None
         feasible = solution is not None and bool(solution.choice)
         result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible}
+        if feasible and (best is None or solution.objective_s < best.objective_s):
+            best = solution
     result["megatron_tp"] = {"predicted_step_s": None, "feasible": False, "evaluated": False}
-    return result
+    return result, (best.choice if best else None)
 
 
 def _checked_shape(shape, cluster: Cluster) -> tuple[int, ...]:
@@ -145,6 +149,8 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         solver={"name": "cpsat", "status": solution.status, "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,
                 "constraints": solution.num_constraints, "nodes": problem.num_nodes,
+                "gap": max(0.0, (solution.objective_s - solution.bound_s) / solution.objective_s)
+                if solution.objective_s > 0 else 0.0,
                 "distinct_nodes": problem.num_nodes - len(problem.same_as)},
         mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines,
     )

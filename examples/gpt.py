@@ -47,9 +47,10 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def build(layers: int = 4, d: int = 512, heads: int = 8, vocab: int = 8192, seq: int = 256, batch: int = 16):
-    """Model on the meta device (no memory) and example token ids."""
-    with torch.device("meta"):
+def build(layers: int = 4, d: int = 512, heads: int = 8, vocab: int = 8192, seq: int = 256, batch: int = 16,
+          device: str = "meta"):
+    """Model and example token ids; on the meta device by default (planning allocates nothing)."""
+    with torch.device(device):
         model = GPT(vocab, d, layers, heads, seq)
         tokens = torch.zeros(batch, seq, dtype=torch.long)
     return model, (tokens,)

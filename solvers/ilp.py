@@ -60,8 +60,9 @@ class CpSatSolver:
         model.minimize(sum(round(c * scale) * var for var, c in terms))
         if hint is not None:
             for i, s in enumerate(hint):
-                for t, var in enumerate(x[i]):
-                    model.add_hint(var, t == s)
+                if problem.representative(i) == i:  # copies share their representative's variables
+                    for t, var in enumerate(x[i]):
+                        model.add_hint(var, t == s)
 
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = self.time_limit_s

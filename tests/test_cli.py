@@ -84,3 +84,26 @@ def test_devices_lists_the_catalog():
     names = {d["name"] for d in json.loads(done.stdout)}
     assert {"A100-80GB", "H100-SXM", "cpu"} <= names
     assert "example:" in autopar("plan", "--help").stdout
+
+
+def test_diff_two_plans(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(a)).returncode == 0
+    assert autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "--memory-limit", "14000",
+                   "--optimizer", "sgd", "-o", str(b)).returncode == 0
+    done = autopar("diff", str(a), str(b), "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["same_model"] and result["memory_bytes"]["delta"] < 0
+    assert result["parameters_changed"]  # the memory limit forced some parameters to shard
+    text = autopar("diff", str(a), str(b)).stdout
+    assert "predicted step" in text and "parameters and" in text
+
+
+def test_validate_accepts_its_model_and_refuses_another(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(plan)).returncode == 0
+    ok = autopar("validate", str(plan), "models:tiny_mlp", "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["valid"], ok.stderr
+    other = autopar("validate", str(plan), "models:MLP", "--input", "x=4x16:float32")
+    assert other.returncode == 1 and "does not match" in other.stdout

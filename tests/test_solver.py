@@ -62,3 +62,16 @@ def test_chain_with_reshard_penalty_has_closed_form():
     # forcing the first node onto strategy 0: switch once (r) if r < d·(n−1), as here
     fixed = ShardingProblem(problem.node_names, problem.node_costs, problem.node_memory, edges, 0, fixed={0: 0})
     assert CpSatSolver().solve(fixed).objective_s == pytest.approx(c + r + (n - 1) * (c - d))
+
+
+def test_time_limit_returns_the_warm_start_or_better():
+    """A hint (e.g. the best baseline) is a feasible answer even when the search is cut short."""
+    rng = random.Random(7)
+    problem = random_problem(rng)
+    while math.isinf(brute_force(problem)):
+        problem = random_problem(rng)
+    hint = next(list(c) for c in itertools.product(*[range(len(x)) for x in problem.node_costs])
+                if problem.feasible(list(c)))
+    solution = CpSatSolver(time_limit_s=5).solve(problem, hint=hint)
+    assert solution.status in ("OPTIMAL", "FEASIBLE")
+    assert solution.objective_s <= problem.evaluate(hint) + 1e-9

@@ -17,8 +17,9 @@ from autopar.errors import AutoparError, ErrorKind
 EXAMPLES = {
     "plan": "autopar plan examples.gpt:build --cluster 2x8xH100 -o plan.json\n"
             "autopar plan model.pt2 --cluster 8xH100 --input tokens=8x1024:int64 --json",
-    "show": "autopar show plan.json\nautopar show plan.json --json",
+    "show": "autopar show plan.json\nautopar show plan.json --json\nautopar show plan.json --html report.html",
     "devices": "autopar devices --json",
+    "explain": "autopar explain plan.json addmm_3\nautopar explain plan.json addmm_3 --json",
     "validate": "autopar validate plan.json examples.gpt:build",
     "diff": "autopar diff plan-8xH100.json plan-2x8xH100.json\nautopar diff a.json b.json --json",
 }
@@ -127,6 +128,10 @@ def _cmd_show(args) -> int:
     from autopar.report import summary
 
     plan = autopar.load_plan(args.plan)
+    if args.html:
+        from autopar.html_report import write
+
+        write(plan, args.html)
     print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
     return 0
 
@@ -137,6 +142,19 @@ def _cmd_diff(args) -> int:
 
     result = diff(autopar.load_plan(args.a), autopar.load_plan(args.b))
     print(json.dumps(result, indent=1) if args.json else diff_text(result))
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    import autopar
+    from autopar.report import explain, explain_text
+
+    plan = autopar.load_plan(args.plan)
+    try:
+        result = explain(plan, args.node)
+    except KeyError as exc:
+        raise UsageError(exc.args[0]) from exc
+    print(json.dumps(result, indent=1) if args.json else explain_text(result))
     return 0
 
 
@@ -201,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("show", "print a saved plan's statistics")
     s.add_argument("plan")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--html", metavar="REPORT.html", help="also write a self-contained HTML report")
     s.set_defaults(run=_cmd_show)
 
     f = command("diff", "compare two plans: placements that changed and the predicted effect")
@@ -208,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("b")
     f.add_argument("--json", action="store_true")
     f.set_defaults(run=_cmd_diff)
+
+    e = command("explain", "a node's candidate strategies, their costs, and why the plan chose one")
+    e.add_argument("plan")
+    e.add_argument("node")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(run=_cmd_explain)
 
     v = command("validate", "check that a plan was made for this model's graph")
     v.add_argument("plan")

@@ -13,6 +13,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,13 +45,22 @@ class Cluster:
     intra_link: Link
     inter_link: Link
     memory_limit_bytes: int
+    host_regions: tuple[str, ...] = ()  # region of each host; empty = one region
+    wan_links: tuple[tuple[str, str, Link], ...] = ()  # links between regions
 
     @classmethod
     def from_spec(cls, spec: "str | Cluster", memory_limit_bytes: int | None = None) -> "Cluster":
         """Parse ``"NxDEVICE"`` (one host) or ``"HOSTSxGPUSxDEVICE"``; a Cluster passes through."""
         if isinstance(spec, Cluster):
-            return spec if memory_limit_bytes is None else cls.homogeneous(
-                spec.device, spec.hosts, spec.devices_per_host, memory_limit_bytes)
+            if memory_limit_bytes is None:
+                return spec
+            if memory_limit_bytes <= 0:
+                raise AutoparError(ErrorKind.BAD_CLUSTER, f"memory limit must be positive, got {memory_limit_bytes} bytes")
+            return dataclasses.replace(spec, memory_limit_bytes=int(memory_limit_bytes))
+        if isinstance(spec, str) and spec.strip().endswith((".yaml", ".yml")):
+            from autopar.cluster_file import load_cluster_file
+
+            return cls.from_spec(load_cluster_file(spec), memory_limit_bytes)
         if not isinstance(spec, str):
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"cluster must be a string like '8xH100' or a Cluster, got {type(spec).__name__}")
@@ -88,19 +98,39 @@ class Cluster:
     def graph(self) -> nx.Graph:
         """The topology as a graph whose edges carry ``link`` attributes."""
         g = nx.Graph()
-        g.add_node("network")
         for host in range(self.hosts):
-            g.add_edge(("host", host), "network", link=self.inter_link)
+            g.add_edge(("host", host), ("network", self.region_of(host)), link=self.inter_link)
+        for a, b, link in self.wan_links:
+            g.add_edge(("network", a), ("network", b), link=link)
         for rank in range(self.num_devices):
             g.add_edge(("dev", rank), ("host", self.host_of(rank)), link=self.intra_link)
         return g
 
+    def region_of(self, host: int) -> str:
+        return self.host_regions[host] if self.host_regions else "default"
+
+    def wan_link(self, a: str, b: str) -> Link:
+        for x, y, link in self.wan_links:
+            if {x, y} == {a, b}:
+                return link
+        raise AutoparError(ErrorKind.BAD_CLUSTER, f"no link between regions {a!r} and {b!r}")
+
     def group_link(self, ranks: Iterable[int]) -> Link:
-        """The bottleneck link of a collective over ``ranks``: intra-node if they share a host."""
+        """The bottleneck link of a collective over ``ranks``: intra-node if they share a host,
+        the network between hosts of one region, and the slowest WAN link across regions."""
         hosts = {self.host_of(r) for r in ranks}
-        return self.intra_link if len(hosts) <= 1 else self.inter_link
+        if len(hosts) <= 1:
+            return self.intra_link
+        regions = sorted({self.region_of(h) for h in hosts})
+        if len(regions) == 1:
+            return self.inter_link
+        links = [self.wan_link(a, b) for i, a in enumerate(regions) for b in regions[i + 1:]]
+        return min(links, key=lambda link: (link.bandwidth_Bps, -link.latency_s))
 
     def describe(self) -> str:
+        if self.host_regions and len(set(self.host_regions)) > 1:
+            counts = {r: self.host_regions.count(r) for r in dict.fromkeys(self.host_regions)}
+            return " + ".join(f"{r}:{n}x{self.devices_per_host}x{self.device.name}" for r, n in counts.items())
         if self.hosts == 1:
             return f"{self.devices_per_host}x{self.device.name}"
         return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"

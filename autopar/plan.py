@@ -50,6 +50,10 @@ class NodePlan:
     inputs: tuple[str, ...]
     compute_s: float
     fallback: bool = False  # no sharding rule: run replicated on local tensors
+    reshard_s: float = 0.0  # resharding on this node's edges, with its neighbours as planned
+    # the best other candidates with their costs, neighbours fixed (for `autopar explain`):
+    # {"outputs", "inputs", "compute_s", "reshard_s", "memory_delta_bytes"}
+    alternatives: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,8 @@ class Plan:
                 fingerprint=d["fingerprint"], cluster=d["cluster"],
                 mesh_shape=tuple(d["mesh_shape"]), mesh_dim_names=tuple(d["mesh_dim_names"]),
                 inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
-                nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"])
+                nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"],
+                                   v["reshard_s"], tuple(v["alternatives"]))
                        for k, v in d["nodes"].items()},
                 parameters={k: ParameterPlan(**v) for k, v in d["parameters"].items()},
                 buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],
@@ -140,18 +145,22 @@ class Plan:
                                f"{source} is not a complete autopar plan: field {exc} is missing or malformed") from exc
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a temp file in the same directory, then rename over ``path``."""
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".autopar-plan-", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_text(path, self.to_json())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a temp file in the same directory, then rename it over ``path``: readers see the
+    old file or the new one, never half of one, and an interrupted write leaves nothing behind."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

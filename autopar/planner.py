@@ -103,6 +103,22 @@ def _infeasible(cluster: Cluster, needed: int, candidates) -> AutoparError:
         "3) a larger memory_limit or devices with more memory, 4) an optimizer with less state (sgd)")
 
 
+_ALTERNATIVES = 4
+
+
+def _local_costs(problem: ShardingProblem, choice: list[int], i: int, edges) -> list[float]:
+    """Resharding time on node i's edges for each of its strategies, every neighbour as chosen."""
+    costs = []
+    for t in range(len(problem.node_costs[i])):
+        total = 0.0
+        for e in edges:
+            s_src = t if e.src == i else choice[e.src]
+            s_dst = t if e.dst == i else choice[e.dst]
+            total += e.pair_cost(s_src, s_dst)
+        costs.append(total)
+    return costs
+
+
 def _joined(placement) -> str | None:
     return None if placement is None else ",".join(placement)
 
@@ -110,6 +126,10 @@ def _joined(placement) -> str | None:
 def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
              index: ProblemIndex, candidates, optimizer: str, baselines: dict) -> Plan:
     nodes_by_name = {n.name: n for n in captured.graph.nodes}
+    edges_of: dict[int, list] = {i: [] for i in range(problem.num_nodes)}
+    for e in problem.edges:
+        edges_of[e.src].append(e)
+        edges_of[e.dst].append(e)
     nodes, parameters, buffers = {}, {}, {}
     compute_total = 0.0
     memory = {"param": 0, "act": 0}
@@ -129,12 +149,23 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
             buffers[captured.buffer_of[name]] = _joined(chosen.outputs[0])
         elif kind in ("op", "input"):
             node = nodes_by_name[name]
+            local = _local_costs(problem, solution.choice, i, edges_of[i])
+            chosen_reshard = local[solution.choice[i]]
+            others = sorted((t for t in range(len(local)) if t != solution.choice[i] and math.isfinite(local[t])),
+                            key=lambda t: (index.compute_s[i][t] + local[t], t))[:_ALTERNATIVES]
             nodes[name] = NodePlan(
                 op=str(node.target) if kind == "op" else "input",
                 outputs=tuple(_joined(p) for p in chosen.outputs),
                 inputs=tuple(_joined(p) for p in chosen.inputs),
                 compute_s=index.compute_s[i][solution.choice[i]],
-                fallback=bool(node.meta.get(FALLBACK_KEY, False)))
+                fallback=bool(node.meta.get(FALLBACK_KEY, False)),
+                reshard_s=chosen_reshard,
+                alternatives=tuple({
+                    "outputs": [_joined(p) for p in index.strategies[i][t].outputs],
+                    "inputs": [_joined(p) for p in index.strategies[i][t].inputs],
+                    "compute_s": index.compute_s[i][t], "reshard_s": local[t],
+                    "memory_delta_bytes": problem.node_memory[i][t] - problem.node_memory[i][solution.choice[i]],
+                } for t in others))
             memory["act"] += problem.node_memory[i][solution.choice[i]]
     per_copy = memory["param"] // (2 + states)
     return Plan(

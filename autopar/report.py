@@ -78,3 +78,36 @@ def diff_text(d: dict) -> str:
              f"{len(d['parameters_changed'])} parameters and {len(d['nodes_changed'])} ops changed placement"]
     lines += [f"  {fqn}: {c['from']} -> {c['to']}" for fqn, c in list(d["parameters_changed"].items())[:20]]
     return "\n".join(lines)
+
+
+def explain(plan: Plan, node: str) -> dict:
+    """The chosen strategy of ``node`` and its best alternatives, each costed with every other
+    node as planned: compute, resharding on its edges, memory, and how much slower it is."""
+    if node not in plan.nodes:
+        close = sorted(n for n in plan.nodes if node in n)[:8]
+        raise KeyError(f"no node {node!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""))
+    n = plan.nodes[node]
+    chosen_total = n.compute_s + n.reshard_s
+    rows = [{"chosen": True, "outputs": list(n.outputs), "inputs": list(n.inputs), "compute_s": n.compute_s,
+             "reshard_s": n.reshard_s, "memory_delta_bytes": 0, "slower_by_s": 0.0}]
+    for alt in n.alternatives:
+        total = alt["compute_s"] + alt["reshard_s"]
+        rows.append({"chosen": False, **alt, "slower_by_s": total - chosen_total})
+    return {"node": node, "op": n.op, "fallback": n.fallback, "candidates": rows}
+
+
+def explain_text(e: dict) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=False)
+    table = Table(title=f"{e['node']} ({e['op']})" + (" — no DTensor rule, runs replicated" if e["fallback"] else ""))
+    for column in ("", "outputs", "inputs", "compute", "reshard", "memory Δ", "vs chosen"):
+        table.add_column(column)
+    for row in e["candidates"]:
+        why = "chosen" if row["chosen"] else (
+            f"+{format_seconds(row['slower_by_s'])}" if row["slower_by_s"] > 0 else
+            f"{format_seconds(row['slower_by_s'])} here, costlier elsewhere or over memory")
+        table.add_row("*" if row["chosen"] else "", " ".join(o or "-" for o in row["outputs"]),
+                      " ".join(row["inputs"]), format_seconds(row["compute_s"]), format_seconds(row["reshard_s"]),
+                      format_bytes(row["memory_delta_bytes"]), why)
+    console.print(table)
+    return out.getvalue()

@@ -107,3 +107,18 @@ def test_validate_accepts_its_model_and_refuses_another(tmp_path):
     assert ok.returncode == 0 and json.loads(ok.stdout)["valid"], ok.stderr
     other = autopar("validate", str(plan), "models:MLP", "--input", "x=4x16:float32")
     assert other.returncode == 1 and "does not match" in other.stdout
+
+
+def test_explain_a_node(tmp_path):
+    plan = tmp_path / "plan.json"
+    assert autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(plan)).returncode == 0
+    done = autopar("explain", str(plan), "addmm_1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    chosen = [c for c in result["candidates"] if c["chosen"]]
+    assert len(chosen) == 1 and len(result["candidates"]) > 1
+    # with every other node fixed, no single alternative is cheaper and within memory
+    assert all(c["slower_by_s"] >= -1e-12 or c["memory_delta_bytes"] > 0 for c in result["candidates"])
+    assert "vs chosen" in autopar("explain", str(plan), "addmm_1").stdout
+    missing = autopar("explain", str(plan), "addmm_99")
+    assert missing.returncode == 2 and "no node 'addmm_99'" in missing.stderr

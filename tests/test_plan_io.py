@@ -47,3 +47,20 @@ def test_failed_save_leaves_the_old_file_intact(gpt_plan, tmp_path, monkeypatch)
         gpt_plan.save(path)
     assert path.read_text() == "old contents"
     assert os.listdir(tmp_path) == ["plan.json"]  # no temp file left behind
+
+
+def test_plan_bytes_identical_across_processes_and_hash_seeds(tmp_path):
+    """Every rank may plan on its own: the plan must not depend on set order or hash salts."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch, autopar; sys.path.insert(0, %r); from models import GPT; "
+              "torch.manual_seed(0); p = autopar.plan(GPT(layers=2), (torch.randint(0, 64, (4, 8)),), "
+              "cluster='2x2xH100'); sys.stdout.write(p.to_json())" % os.path.dirname(__file__))
+    outputs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1]

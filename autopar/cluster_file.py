@@ -1,0 +1,165 @@
+"""Cluster files (YAML): regions of hosts, their links, and the WAN links between regions.
+
+    regions:
+      us-east: {device: A100-80GB, nodes: 2, per_node: 8,
+                intra_node: {bandwidth_GBps: 300, latency_us: 2},
+                inter_node: {bandwidth_GBps: 25, latency_us: 5}}
+      eu-west: {device: A100-80GB, nodes: 1, per_node: 8}
+    links:
+      - {between: [us-east, eu-west], bandwidth_GBps: 0.125, latency_ms: 80}
+
+A single-region cluster may give ``device/nodes/per_node`` (and the link blocks) at the top
+level. Missing link figures take the device's defaults. ``memory_reserve_GB`` (per region or
+top level) is subtracted from each device's memory. Errors name the file, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from autopar.cluster import Cluster, Link
+from autopar.devices import get_device
+from autopar.errors import AutoparError, ErrorKind
+
+GB = 10**9
+_REGION_KEYS = {"device", "nodes", "per_node", "intra_node", "inter_node", "memory_reserve_GB"}
+
+
+def _fail(where: str, message: str) -> AutoparError:
+    return AutoparError(ErrorKind.BAD_CLUSTER, f"{where}: {message}")
+
+
+def _lines(node, path=()) -> dict[tuple, int]:
+    """Line number (1-based) of every mapping key and sequence item, by key path."""
+    found = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            found.update(_lines(value, path + (key.value,)))
+            found[path + (key.value,)] = key.start_mark.line + 1
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found.update(_lines(item, path + (i,)))
+    return found
+
+
+def load_cluster_file(path: str) -> Cluster:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise AutoparError(ErrorKind.BAD_CLUSTER, f"cannot read cluster file {path!r}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+        lines = _lines(yaml.compose(text)) if data is not None else {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise _fail(where, f"not valid YAML ({getattr(exc, 'problem', exc)})") from exc
+    return parse_cluster(data, path, lines)
+
+
+def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) -> Cluster:
+    lines = lines or {}
+
+    def where(*key) -> str:
+        line = lines.get(tuple(key))
+        return f"{source}:{line}" if line else source
+
+    if not isinstance(data, dict):
+        raise _fail(source, "a cluster file must be a mapping with `regions:` or `device/nodes/per_node`")
+    if "regions" in data:
+        regions = data["regions"]
+        if not isinstance(regions, dict) or not regions:
+            raise _fail(where("regions"), "`regions` must map region names to {device, nodes, per_node}")
+        specs = {name: _region(spec, where, ("regions", name), data) for name, spec in regions.items()}
+    else:
+        specs = {"default": _region(data, where, (), {})}
+    devices = {s["device"].name for s in specs.values()}
+    per_node = {s["per_node"] for s in specs.values()}
+    if len(devices) > 1 or len(per_node) > 1:
+        raise _fail(where("regions"), f"regions mix device kinds or node sizes ({sorted(devices)}, per_node "
+                    f"{sorted(per_node)}); planning over heterogeneous groups needs pipeline stages, "
+                    "which this version does not plan yet: use one device kind and node size")
+    wan = _wan_links(data.get("links", []), specs, where)
+    first = next(iter(specs.values()))
+    reserve = max(s["reserve"] for s in specs.values())
+    memory = first["device"].memory_bytes - reserve
+    if memory <= 0:
+        raise _fail(where(), f"memory reservation {reserve} bytes leaves no memory on {first['device'].name}")
+    host_regions = tuple(name for name, s in specs.items() for _ in range(s["nodes"]))
+    return Cluster(device=first["device"], hosts=len(host_regions), devices_per_host=first["per_node"],
+                   intra_link=first["intra"], inter_link=first["inter"], memory_limit_bytes=memory,
+                   host_regions=host_regions if len(specs) > 1 else (), wan_links=wan)
+
+
+def _region(spec, where, key: tuple, _root) -> dict:
+    if not isinstance(spec, dict):
+        raise _fail(where(*key), "a region must be a mapping {device: ..., nodes: ..., per_node: ...}")
+    unknown = set(spec) - _REGION_KEYS - {"regions", "links"}
+    if unknown:
+        raise _fail(where(*key, sorted(unknown)[0]), f"unknown key {sorted(unknown)[0]!r}; expected {sorted(_REGION_KEYS)}")
+    for required in ("device", "nodes", "per_node"):
+        if required not in spec:
+            raise _fail(where(*key), f"missing `{required}`")
+    try:
+        device = get_device(str(spec["device"]))
+    except AutoparError as exc:
+        raise _fail(where(*key, "device"), exc.message) from exc
+    for count in ("nodes", "per_node"):
+        value = spec[count]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise _fail(where(*key, count), f"`{count}` must be a positive integer, got {value!r} "
+                        "(a cluster needs at least one device)")
+    intra = _link(spec.get("intra_node"), Link(device.intra_node_bandwidth_Bps, device.intra_node_latency_s),
+                  where, key + ("intra_node",))
+    inter = _link(spec.get("inter_node"), Link(device.inter_node_bandwidth_Bps, device.inter_node_latency_s),
+                  where, key + ("inter_node",))
+    reserve = _number(spec.get("memory_reserve_GB", 0), where, key + ("memory_reserve_GB",), allow_zero=True)
+    return {"device": device, "nodes": spec["nodes"], "per_node": spec["per_node"], "intra": intra,
+            "inter": inter, "reserve": int(reserve * GB)}
+
+
+def _number(value, where, key, allow_zero=False) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+        raise _fail(where(*key), f"`{key[-1]}` must be a {'non-negative' if allow_zero else 'positive'} number, "
+                    f"got {value!r}")
+    return float(value)
+
+
+def _link(spec, default: Link, where, key: tuple) -> Link:
+    if spec is None:
+        return default
+    if not isinstance(spec, dict):
+        raise _fail(where(*key), "a link must be a mapping {bandwidth_GBps: ..., latency_us: ...}")
+    bandwidth = _number(spec["bandwidth_GBps"], where, key + ("bandwidth_GBps",)) * GB \
+        if "bandwidth_GBps" in spec else default.bandwidth_Bps
+    latency = default.latency_s
+    for unit, scale in (("latency_us", 1e-6), ("latency_ms", 1e-3), ("latency_s", 1.0)):
+        if unit in spec:
+            latency = _number(spec[unit], where, key + (unit,), allow_zero=True) * scale
+    return Link(bandwidth, latency)
+
+
+def _wan_links(links, specs: dict, where) -> tuple:
+    if not isinstance(links, list):
+        raise _fail(where("links"), "`links` must be a list of {between: [a, b], bandwidth_GBps, latency_ms}")
+    found = []
+    for i, spec in enumerate(links):
+        pair = spec.get("between") if isinstance(spec, dict) else None
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise _fail(where("links", i), "each link needs `between: [region_a, region_b]`")
+        for name in pair:
+            if name not in specs:
+                raise _fail(where("links", i, "between"), f"unknown region {name!r}; regions: {sorted(specs)}")
+        if "bandwidth_GBps" not in spec:
+            raise _fail(where("links", i), "a WAN link needs `bandwidth_GBps`")
+        found.append((pair[0], pair[1], _link(spec, Link(0.0, 0.0), where, ("links", i))))
+    names = sorted(specs)
+    for a_index, a in enumerate(names):
+        for b in names[a_index + 1:]:
+            if not any({x, y} == {a, b} for x, y, _ in found):
+                raise _fail(where("links"), f"no link between regions {a!r} and {b!r}: add "
+                            f"`- {{between: [{a}, {b}], bandwidth_GBps: ..., latency_ms: ...}}` under `links`")
+    return tuple(found)

@@ -1,0 +1,97 @@
+"""A self-contained HTML report of a plan: no scripts from the network, inline SVG only.
+
+Sections: summary, memory per device (stacked bars), time per step (compute vs
+communication), baselines comparison, parameter placement map (per layer), and, for graphs of
+up to 300 nodes, the ops coloured by the placement of their output.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections import defaultdict
+
+from autopar.plan import Plan, atomic_write_text
+from autopar.units import format_bytes, format_seconds
+
+_COLORS = {"R": "#9aa5b1", "S": "#2f80ed", "P": "#f2994a", "-": "#dddddd"}
+_CSS = """body{font-family:system-ui,sans-serif;margin:24px;color:#1f2933}h1{font-size:22px}
+h2{font-size:17px;margin-top:28px}table{border-collapse:collapse;font-size:13px}
+td,th{border:1px solid #cbd2d9;padding:3px 8px;text-align:left}.legend span{display:inline-block;
+width:12px;height:12px;margin:0 4px 0 12px}.op{display:inline-block;width:14px;height:14px;margin:1px}"""
+
+
+def _kind(placement: str | None) -> str:
+    if not placement:
+        return "-"
+    dims = placement.split(",")
+    return "S" if any(d.startswith("S") for d in dims) else "P" if any(d.startswith("P") for d in dims) else "R"
+
+
+def _bar(parts: list[tuple[str, float, str]], total: float, width: int = 520) -> str:
+    x, rects = 0.0, []
+    for label, value, color in parts:
+        w = width * value / total if total else 0
+        rects.append(f'<rect x="{x:.1f}" y="0" width="{w:.1f}" height="22" fill="{color}">'
+                     f'<title>{html.escape(label)}</title></rect>')
+        x += w
+    return f'<svg width="{width}" height="22" role="img">{"".join(rects)}</svg>'
+
+
+def render(plan: Plan) -> str:
+    m, limit = plan.memory, plan.cluster["memory_limit_bytes"]
+    parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
+             ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a")]
+    body = [f"<h1>autopar plan — {html.escape(plan.cluster['spec'])}</h1>",
+            f"<p>mesh {list(plan.mesh_shape)} {list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver "
+            f"{html.escape(plan.solver['status'])}; predicted step <b>{format_seconds(plan.predicted_step_s)}</b> "
+            f"(compute {format_seconds(plan.predicted_compute_s)}, communication "
+            f"{format_seconds(plan.predicted_comm_s)})</p>",
+            "<h2>Memory per device</h2><table><tr><th>device</th><th>use</th><th>total</th><th></th></tr>"]
+    for rank in range(plan.num_devices):  # devices of one mesh hold equal shares
+        body.append(f"<tr><td>{rank}</td><td>{100 * m.total_bytes / limit:.1f}% of {format_bytes(limit)}</td>"
+                    f"<td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, limit)}</td></tr>")
+    body.append("</table><p class='legend'>" + "".join(
+        f"<span style='background:{c}'></span>{n}" for n, _, c in parts) + "</p>")
+    body.append("<h2>Time per step</h2>" + _bar([("compute", plan.predicted_compute_s, "#27ae60"),
+                                                  ("communication", plan.predicted_comm_s, "#eb5757")],
+                                                 plan.predicted_step_s))
+    body.append("<h2>Baselines</h2><table><tr><th>plan</th><th>predicted step</th><th>vs autopar</th></tr>"
+                f"<tr><td>autopar</td><td>{format_seconds(plan.predicted_step_s)}</td><td>1.00</td></tr>")
+    for name, b in sorted(plan.baselines.items()):
+        step = b.get("predicted_step_s")
+        shown = (format_seconds(step), f"{step / plan.predicted_step_s:.2f}") if step else ("not evaluated", "")
+        body.append(f"<tr><td>{html.escape(name)}</td><td>{shown[0]}</td><td>{shown[1]}</td></tr>")
+    body.append("</table>")
+    body.append(_layer_map(plan))
+    if len(plan.nodes) <= 300:
+        body.append("<h2>Graph (ops in order, coloured by output placement)</h2><div>" + "".join(
+            f"<span class='op' style='background:{_COLORS[_kind(n.outputs[0] if n.outputs else None)]}' "
+            f"title='{html.escape(name)}: {html.escape(str(n.outputs))}'></span>" for name, n in plan.nodes.items())
+            + "</div>")
+    legend = "".join(f"<span style='background:{c}'></span>{k}" for k, c in _COLORS.items())
+    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>autopar plan</title>"
+            f"<style>{_CSS}</style></head><body>{''.join(body)}<p class='legend'>{legend}</p></body></html>\n")
+
+
+def _layer_map(plan: Plan) -> str:
+    layers: dict[str, dict[str, str]] = defaultdict(dict)
+    for fqn, p in plan.parameters.items():
+        match = re.match(r"^(.*?\.\d+)\.(.*)$", fqn)
+        layer, name = (match.group(1), match.group(2)) if match else ("(top)", fqn)
+        layers[layer][name] = p.placement
+    groups: dict[tuple, list[str]] = defaultdict(list)  # identical layers are shown once
+    for layer, params in layers.items():
+        groups[tuple(sorted(params.items()))].append(layer)
+    rows = ["<h2>Parameter placements by layer</h2><table><tr><th>layers</th><th>parameter</th>"
+            "<th>placement</th></tr>"]
+    for params, names in groups.items():
+        label = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)} identical)"
+        for k, (pname, placement) in enumerate(params):
+            rows.append(f"<tr><td>{html.escape(label) if k == 0 else ''}</td><td>{html.escape(pname)}</td>"
+                        f"<td style='color:{_COLORS[_kind(placement)]}'>{html.escape(placement)}</td></tr>")
+    return "".join(rows) + "</table>"
+
+
+def write(plan: Plan, path: str) -> None:
+    atomic_write_text(path, render(plan))

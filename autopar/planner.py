@@ -18,7 +18,7 @@ from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
-from autopar.passes.layers import find_repeated_layers
+from autopar.passes.layers import find_repeated_layers, layer_of_path
 from autopar.passes.cost import COST_KEY, annotate_costs, tensor_bytes
 from autopar.passes.problem import OPTIMIZER_STATES, OUTPUT, ProblemIndex, build_problem
 from autopar.passes.strategies import FALLBACK_KEY, enumerate_strategies
@@ -48,7 +48,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                                        repeated)
         hint = None
         if len(mesh.shape) == 1:
-            baselines, hint = _baselines(problem, index, engine)
+            baselines, hint = _baselines(problem, index, engine, _megatron_roles(captured, index))
         solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
         candidates.append({"mesh_shape": list(mesh.shape), "status": solution.status,
                            "predicted_step_s": solution.objective_s if solution.choice else None})
@@ -66,20 +66,49 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     return plan
 
 
-def _baselines(problem: ShardingProblem, index: ProblemIndex, engine) -> tuple[dict, list[int] | None]:
+def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]:
+    """Linear layers of each repeated layer (or of the whole model), in order of use, alternate
+    column- and row-parallel, as Megatron pairs qkv/proj and fc/out."""
+    linear_of: dict[str, str] = {}  # parameter placeholder -> Linear module path
+    order: list[str] = []
+    for node in captured.graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg.name in captured.parameter_of and arg.name not in linear_of:
+                path, cls = list((node.meta.get("nn_module_stack") or {"": ("", "")}).values())[-1]
+                if str(cls).endswith("Linear"):
+                    linear_of[arg.name] = path
+                    if path not in order:
+                        order.append(path)
+    position: dict[str, int] = {}
+    counters: dict[str | None, int] = {}
+    for path in order:
+        layer = layer_of_path(path)
+        position[path] = counters.get(layer, 0)
+        counters[layer] = position[path] + 1
+    roles = []
+    for name, kind in zip(index.names, index.kinds):
+        path = linear_of.get(name) if kind == "param" else None
+        if path is None:
+            roles.append(None)
+            continue
+        side = "column" if position[path] % 2 == 0 else "row"
+        roles.append(f"{side}_{'weight' if captured.parameter_of[name].endswith('weight') else 'bias'}")
+    return roles
+
+
+def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles) -> tuple[dict, list[int] | None]:
     """DDP / FSDP as fixed parameter and input placements, the rest optimised by the same model.
     Returns their predictions and the best feasible one's assignment (a warm start)."""
     leaf_options = [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
                     for kind, options in zip(index.kinds, index.strategies)]
     result, best = {}, None
     for name, rule in BASELINES.items():
-        fixed = rule(index.kinds, leaf_options)
+        fixed = rule(index.kinds, leaf_options, roles)
         solution = engine.solve(dataclasses.replace(problem, fixed=fixed)) if fixed is not None else None
         feasible = solution is not None and bool(solution.choice)
         result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible}
         if feasible and (best is None or solution.objective_s < best.objective_s):
             best = solution
-    result["megatron_tp"] = {"predicted_step_s": None, "feasible": False, "evaluated": False}
     return result, (best.choice if best else None)
 
 

@@ -92,7 +92,7 @@ def leaf_candidates(val: torch.Tensor, partial: bool) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def _mesh_1d(size: int) -> DeviceMesh:
     """A mesh object for strategy functions only: no process group is created."""
-    return DeviceMesh("cpu", torch.arange(size), _init_backend=False, _rank=0)
+    return DeviceMesh("cpu", torch.arange(size, device="cpu"), _init_backend=False, _rank=0)
 
 
 def _meta(val: torch.Tensor) -> TensorMeta:

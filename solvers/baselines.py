@@ -2,9 +2,11 @@
 inputs; the ILP fills in the remaining ops, so each baseline is costed by the same model.
 
 ``leaf_options[i]`` lists, for problem node i, the placement string of each strategy of a
-parameter or input node (empty for other nodes). One-dimensional meshes only for now.
+parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
+parameter plays ("column_weight", "column_bias", "row_weight", "row_bias" or None).
+One-dimensional meshes only for now.
 
->>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []])
+>>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []], [None, None, None])
 {0: 0, 1: 1}
 """
 
@@ -18,10 +20,12 @@ def _pick(options: list[str], wanted: list[str]) -> int | None:
     return None
 
 
-def _fix(kinds, leaf_options, param_wanted, input_wanted) -> dict[int, int] | None:
+def _fix(kinds, leaf_options, param_wanted, input_wanted, roles=None, by_role=None) -> dict[int, int] | None:
     fixed = {}
     for i, (kind, options) in enumerate(zip(kinds, leaf_options)):
         wanted = param_wanted if kind == "param" else input_wanted if kind == "input" else None
+        if kind == "param" and by_role and roles[i] in by_role:
+            wanted = by_role[roles[i]]
         if wanted is None:
             continue
         choice = _pick(options, wanted)
@@ -31,14 +35,26 @@ def _fix(kinds, leaf_options, param_wanted, input_wanted) -> dict[int, int] | No
     return fixed
 
 
-def ddp(kinds: list[str], leaf_options: list[list[str]]) -> dict[int, int] | None:
+def ddp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
     """DDP: parameters replicated, inputs split on the batch dim."""
     return _fix(kinds, leaf_options, ["R"], ["S(0)"])
 
 
-def fsdp(kinds: list[str], leaf_options: list[list[str]]) -> dict[int, int] | None:
+def fsdp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
     """FSDP / ZeRO-3: parameters sharded on dim 0 (replicated when too small), batch split."""
     return _fix(kinds, leaf_options, ["S(0)", "R"], ["S(0)"])
 
 
-BASELINES = {"ddp": ddp, "fsdp": fsdp}
+MEGATRON_ROLES = {"column_weight": ["S(0)"], "column_bias": ["S(0)"], "row_weight": ["S(1)"], "row_bias": ["R"]}
+
+
+def megatron_tp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
+    """Megatron tensor parallelism over all devices: linear layers alternate column-parallel
+    (weight rows and bias sharded) and row-parallel (weight columns sharded, bias replicated);
+    everything else replicated, inputs replicated. Infeasible when no linear layer exists."""
+    if not any(roles):
+        return None
+    return _fix(kinds, leaf_options, ["R"], ["R"], roles, MEGATRON_ROLES)
+
+
+BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp}

@@ -60,6 +60,9 @@ def test_transformer_block_gets_megatron_column_row_pattern(mesh, dim):
         ["S(0)", "S(1)", "S(0)", "S(1)"], {k: v.placement for k, v in plan.parameters.items()}
     assert on_dim("ln1.weight") == "R"
     assert not any(n.fallback for n in plan.nodes.values())  # every op had a DTensor rule
+    if len(mesh) == 1:  # the hand-written Megatron baseline is exactly what the solver found
+        assert plan.baselines["megatron_tp"]["predicted_step_s"] == pytest.approx(plan.predicted_step_s)
+        assert not plan.baselines["ddp"]["feasible"]  # a batch of 2 cannot split over 4 devices
 
 
 def test_plan_is_deterministic_byte_for_byte():
@@ -75,3 +78,13 @@ def test_plan_picks_the_best_mesh_candidate():
     feasible = [c["predicted_step_s"] for c in plan.mesh_candidates if c["predicted_step_s"] is not None]
     assert plan.predicted_step_s == min(feasible)
     assert {tuple(c["mesh_shape"]) for c in plan.mesh_candidates} == {(4,), (2, 2)}
+
+
+def test_planning_inside_a_meta_device_context():
+    """Regression: an active ``torch.device("meta")`` context must not leak into the meshes the
+    planner builds for DTensor's strategy functions (every op then fell back to replicate)."""
+    with torch.device("meta"):
+        model, x = MLP(256, 1024, 256, 2), torch.randn(1024, 256)
+        plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(4,))
+    assert not any(n.fallback for n in plan.nodes.values())
+    assert plan.nodes["x"].outputs == ("S(0)",)

@@ -60,7 +60,10 @@ def test_plan_bytes_identical_across_processes_and_hash_seeds(tmp_path):
     outputs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        # cwd outside the checkout: `python -c` puts cwd first on sys.path, and the source folder
+        # autopar/ (without passes/ and solvers/) would shadow the installed package
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
+                              cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]

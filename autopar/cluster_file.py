@@ -15,7 +15,6 @@ top level) is subtracted from each device's memory. Errors name the file, the li
 
 from __future__ import annotations
 
-import os
 
 import yaml
 

@@ -19,11 +19,11 @@ from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers, layer_of_path
-from autopar.passes.cost import COST_KEY, annotate_costs, tensor_bytes
-from autopar.passes.problem import OPTIMIZER_STATES, OUTPUT, ProblemIndex, build_problem
+from autopar.passes.cost import annotate_costs, tensor_bytes
+from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
 from autopar.passes.strategies import FALLBACK_KEY, enumerate_strategies
 from autopar.solvers import get_solver
-from autopar.solvers.baselines import BASELINES
+from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,13 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
         enumerate_strategies(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated)
-        hint = None
-        if len(mesh.shape) == 1:
-            baselines, hint = _baselines(problem, index, engine, _megatron_roles(captured, index))
+        rules = BASELINES if len(mesh.shape) == 1 else BASELINES_2D
+        found, hint = _baselines(problem, index, engine, _megatron_roles(captured, index), rules)
+        for name, entry in found.items():  # each baseline keeps its best mesh
+            old = baselines.get(name)
+            if old is None or entry["feasible"] and (not old["feasible"] or
+                                                     entry["predicted_step_s"] < old["predicted_step_s"]):
+                baselines[name] = entry
         solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
         candidates.append({"mesh_shape": list(mesh.shape), "status": solution.status,
                            "predicted_step_s": solution.objective_s if solution.choice else None})
@@ -57,6 +61,8 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             continue
         if best is None or solution.objective_s < best[2].objective_s * (1 - 1e-9):
             best = (mesh, problem, solution, index)
+    for name in (*BASELINES, *BASELINES_2D):  # e.g. no 2-D mesh on this cluster
+        baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
     mesh, problem, solution, index = best
@@ -96,13 +102,14 @@ def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]
     return roles
 
 
-def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles) -> tuple[dict, list[int] | None]:
-    """DDP / FSDP as fixed parameter and input placements, the rest optimised by the same model.
-    Returns their predictions and the best feasible one's assignment (a warm start)."""
+def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles,
+               rules: dict) -> tuple[dict, list[int] | None]:
+    """Hand-written configurations as fixed parameter and input placements, the rest optimised
+    by the same model. Returns their predictions and the best feasible assignment (a warm start)."""
     leaf_options = [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
                     for kind, options in zip(index.kinds, index.strategies)]
     result, best = {}, None
-    for name, rule in BASELINES.items():
+    for name, rule in rules.items():
         fixed = rule(index.kinds, leaf_options, roles)
         solution = engine.solve(dataclasses.replace(problem, fixed=fixed)) if fixed is not None else None
         feasible = solution is not None and bool(solution.choice)

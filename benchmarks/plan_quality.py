@@ -39,15 +39,15 @@ def main() -> None:
             row = {"model": name, "cluster": cluster, "mesh": list(plan.mesh_shape),
                    "plan_ms": plan.predicted_step_s * 1e3,
                    **{f"{k}_ms": (v * 1e3 if v else None) for k, v in
-                      ((k, plan.baselines[k]["predicted_step_s"]) for k in ("ddp", "fsdp", "megatron_tp"))},
+                      ((k, plan.baselines[k]["predicted_step_s"]) for k in ("ddp", "fsdp", "megatron_tp", "tp_dp"))},
                    "best_baseline": best,
                    "ratio_vs_best": plan.predicted_step_s / feasible[best] if best else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("\nmodel | cluster | mesh | plan ms | ddp ms | fsdp ms | megatron ms | best baseline | plan/best")
+    print("\nmodel | cluster | mesh | plan ms | ddp ms | fsdp ms | megatron ms | tp×dp ms | best baseline | plan/best")
     for r in rows:
         cells = [r["model"], r["cluster"], r["mesh"]] + [
-            f"{r[k]:.4g}" if r[k] is not None else "infeasible" for k in ("plan_ms", "ddp_ms", "fsdp_ms", "megatron_tp_ms")]
+            f"{r[k]:.4g}" if r[k] is not None else "infeasible" for k in ("plan_ms", "ddp_ms", "fsdp_ms", "megatron_tp_ms", "tp_dp_ms")]
         cells += [r["best_baseline"], f"{r['ratio_vs_best']:.3f}" if r["ratio_vs_best"] else "-"]
         print(" | ".join(str(c) for c in cells))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

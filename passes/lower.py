@@ -27,7 +27,6 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
-from autopar.passes.strategies import tensor_args
 
 MESH_ATTR = "_autopar_mesh"
 

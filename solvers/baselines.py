@@ -4,7 +4,8 @@ inputs; the ILP fills in the remaining ops, so each baseline is costed by the sa
 ``leaf_options[i]`` lists, for problem node i, the placement string of each strategy of a
 parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
 parameter plays ("column_weight", "column_bias", "row_weight", "row_bias" or None).
-One-dimensional meshes only for now.
+``BASELINES`` are for a 1-D mesh over all devices, ``BASELINES_2D`` for a 2-D mesh whose
+inner dimension lies inside a host.
 
 >>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []], [None, None, None])
 {0: 0, 1: 1}
@@ -58,3 +59,14 @@ def megatron_tp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[
 
 
 BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp}
+
+
+def tp_dp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
+    """Megatron inside a host (inner mesh dim) × data parallel across hosts (outer dim)."""
+    if not any(roles):
+        return None
+    by_role = {role: [f"R,{p[0]}"] for role, p in MEGATRON_ROLES.items()}
+    return _fix(kinds, leaf_options, ["R,R"], ["S(0),R"], roles, by_role)
+
+
+BASELINES_2D = {"tp_dp": tp_dp}

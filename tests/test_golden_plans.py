@@ -27,6 +27,8 @@ def test_ample_memory_gives_data_parallel():
 def test_plan_is_never_slower_than_a_feasible_baseline():
     model, x = _big_mlp()
     plan = autopar.plan(model, (x,), cluster="2x2xH100")
+    assert {"ddp", "fsdp", "megatron_tp", "tp_dp"} <= set(plan.baselines)
+    assert plan.baselines["tp_dp"]["feasible"]  # Megatron inside a host × DP across the two hosts
     for name, baseline in plan.baselines.items():
         if baseline["feasible"]:
             assert plan.predicted_step_s <= baseline["predicted_step_s"] * (1 + 1e-9), name

@@ -173,7 +173,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     for i, name in enumerate(index.names):
         chosen = index.strategies[i][solution.choice[i]]
         kind = index.kinds[i]
-        compute_total += index.compute_s[i][solution.choice[i]]
+        compute_total += problem.node_costs[i][solution.choice[i]]
         if kind == "param":
             fqn = captured.parameter_of[name]
             val = nodes_by_name[name].meta["val"]
@@ -188,18 +188,18 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
             local = _local_costs(problem, solution.choice, i, edges_of[i])
             chosen_reshard = local[solution.choice[i]]
             others = sorted((t for t in range(len(local)) if t != solution.choice[i] and math.isfinite(local[t])),
-                            key=lambda t: (index.compute_s[i][t] + local[t], t))[:_ALTERNATIVES]
+                            key=lambda t: (problem.node_costs[i][t] + local[t], t))[:_ALTERNATIVES]
             nodes[name] = NodePlan(
                 op=str(node.target) if kind == "op" else "input",
                 outputs=tuple(_joined(p) for p in chosen.outputs),
                 inputs=tuple(_joined(p) for p in chosen.inputs),
-                compute_s=index.compute_s[i][solution.choice[i]],
+                compute_s=problem.node_costs[i][solution.choice[i]],
                 fallback=bool(node.meta.get(FALLBACK_KEY, False)),
                 reshard_s=chosen_reshard,
                 alternatives=tuple({
                     "outputs": [_joined(p) for p in index.strategies[i][t].outputs],
                     "inputs": [_joined(p) for p in index.strategies[i][t].inputs],
-                    "compute_s": index.compute_s[i][t], "reshard_s": local[t],
+                    "compute_s": problem.node_costs[i][t], "reshard_s": local[t],
                     "memory_delta_bytes": problem.node_memory[i][t] - problem.node_memory[i][solution.choice[i]],
                 } for t in others))
             memory["act"] += problem.node_memory[i][solution.choice[i]]

@@ -51,7 +51,6 @@ class ProblemIndex:
     names: list[str]  # graph node name, or OUTPUT
     strategies: list[list[Strategy]]
     kinds: list[str]  # "param", "buffer", "input", "op", "output"
-    compute_s: list[list[float]]
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
@@ -60,7 +59,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers)."""
     graph = captured.graph
     grad_nodes = _gradient_path(graph, captured)
-    names, strategies, kinds, costs, compute, memory = [], [], [], [], [], []
+    names, strategies, kinds, costs, memory = [], [], [], [], []
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
 
@@ -89,7 +88,6 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         strategies.append(options)
         kinds.append(kind)
         costs.append(cost)
-        compute.append(cost)
         memory.append(mem)
 
     out_node = graph.output_node()
@@ -101,7 +99,6 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     strategies.append([sink])
     kinds.append("output")
     costs.append([0.0])
-    compute.append([0.0])
     memory.append([0])
 
     weights = _parameter_views(graph, captured)
@@ -127,7 +124,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         if strategies[i] == strategies[r] and memory[i] == memory[r]:
             same_as[i] = r
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, same_as=same_as)
-    return problem, ProblemIndex(names, strategies, kinds, compute)
+    return problem, ProblemIndex(names, strategies, kinds)
 
 
 def _flat_vals(node: torch.fx.Node) -> list:

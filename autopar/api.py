@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,8 +34,13 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     from autopar.planner import make_plan
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
-    return make_plan(capture(model, example_inputs), target, optimizer=optimizer, solver=solver,
-                     time_limit_s=time_limit_s, mesh_shape=mesh_shape, cluster_layers=cluster_layers)
+    start = time.perf_counter()
+    captured = capture(model, example_inputs)
+    capture_s = time.perf_counter() - start
+    result = make_plan(captured, target, optimizer=optimizer, solver=solver,
+                       time_limit_s=time_limit_s, mesh_shape=mesh_shape, cluster_layers=cluster_layers)
+    result.timings["capture_s"] = capture_s
+    return result
 
 
 def apply(model: nn.Module, plan: Plan) -> torch.fx.GraphModule:

@@ -1,7 +1,10 @@
 """Planning pipeline: capture → costs → strategies per candidate mesh → solve → Plan.
 
-Every candidate mesh (1-D, and 2-D with the inner dim inside a host) is solved and the
-fastest feasible plan wins; ties keep the earlier (simpler) mesh, so results are stable.
+Every candidate mesh (1-D, and 2-D with the inner dim inside a host) gets a problem and its
+LP lower bound; meshes are then solved in order of that bound (the simpler mesh first on
+equal bounds), and a mesh whose bound cannot beat the best plan found so far is pruned
+(status "PRUNED"): branch and bound over meshes, so the winner is still the optimum over all
+of them. Ties keep the mesh solved first, so results are stable.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers, layer_of_path
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
-from autopar.passes.strategies import FALLBACK_KEY, enumerate_strategies
+from autopar.passes.strategies import enumerate_strategies
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
@@ -39,13 +42,18 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
     engine = get_solver(solver, time_limit_s=time_limit_s)
     repeated = find_repeated_layers(captured) if cluster_layers else {}
-    best = None
-    candidates, lower_bounds = [], []
-    baselines = {}
-    for mesh in meshes:
-        enumerate_strategies(captured.graph, mesh.shape)
+    prepared = []
+    for order, mesh in enumerate(meshes):
+        enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated)
+        prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
+    prepare_s = time.perf_counter() - start
+    best = None
+    candidates: dict[int, dict] = {}
+    lower_bounds = []
+    baselines: dict[str, dict] = {}
+    for bound, order, mesh, problem, index in sorted(prepared, key=lambda p: p[:2]):
         rules = BASELINES if len(mesh.shape) == 1 else BASELINES_2D
         found, hint = _baselines(problem, index, engine, _megatron_roles(captured, index), rules)
         for name, entry in found.items():  # each baseline keeps its best mesh
@@ -53,23 +61,46 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             if old is None or entry["feasible"] and (not old["feasible"] or
                                                      entry["predicted_step_s"] < old["predicted_step_s"]):
                 baselines[name] = entry
+        if best is not None and bound >= best[2].objective_s * (1 - 1e-9):
+            # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
+            candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
+                                 "bound_s": _finite(bound)}
+            continue
         solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
-        candidates.append({"mesh_shape": list(mesh.shape), "status": solution.status,
-                           "predicted_step_s": solution.objective_s if solution.choice else None})
+        candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
+                             "predicted_step_s": solution.objective_s if solution.choice else None,
+                             "bound_s": _finite(solution.bound_s)}
         if not solution.choice:
-            lower_bounds.append(sum(min(m) for m in problem.node_memory))
+            lower_bounds.append(problem.min_memory())
             continue
         if best is None or solution.objective_s < best[2].objective_s * (1 - 1e-9):
             best = (mesh, problem, solution, index)
+    candidates = [candidates[k] for k in sorted(candidates)]
     for name in (*BASELINES, *BASELINES_2D):  # e.g. no 2-D mesh on this cluster
         baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
     mesh, problem, solution, index = best
     plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, baselines)
-    object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start, "solve_s": solution.solve_s})
+    plan_s = time.perf_counter() - start
+    object.__setattr__(plan, "timings", {"plan_s": plan_s, "prepare_s": prepare_s, "solve_s": solution.solve_s,
+                                         "solve_total_s": plan_s - prepare_s})
     log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
     return plan
+
+
+def _unclustered_variables(problem: ShardingProblem) -> int:
+    """Variables the ILP would have without folding repeated layers (x per node and strategy,
+    y per allowed class pair of edges with several classes on both sides)."""
+    total = sum(problem.count(i) * len(costs) for i, costs in enumerate(problem.node_costs))
+    for e in problem.edges:
+        if len(set(e.src_class)) > 1 and len(set(e.dst_class)) > 1:
+            total += e.count * sum(c is not None for row in e.cost for c in row)
+    return total
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]:
@@ -142,14 +173,15 @@ def _infeasible(cluster: Cluster, needed: int, candidates) -> AutoparError:
 _ALTERNATIVES = 4
 
 
-def _local_costs(problem: ShardingProblem, choice: list[int], i: int, edges) -> list[float]:
-    """Resharding time on node i's edges for each of its strategies, every neighbour as chosen."""
+def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) -> list[float]:
+    """Resharding time on one graph node's edges for each strategy of its problem node ``q``,
+    every neighbour as chosen. ``incident``: (problem edge, node is its producer) pairs."""
     costs = []
-    for t in range(len(problem.node_costs[i])):
+    for t in range(len(problem.node_costs[q])):
         total = 0.0
-        for e in edges:
-            s_src = t if e.src == i else choice[e.src]
-            s_dst = t if e.dst == i else choice[e.dst]
+        for e, as_producer in incident:
+            s_src = t if as_producer else choice[e.src]
+            s_dst = choice[e.dst] if as_producer else t
             total += e.pair_cost(s_src, s_dst)
         costs.append(total)
     return costs
@@ -161,48 +193,48 @@ def _joined(placement) -> str | None:
 
 def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
              index: ProblemIndex, candidates, optimizer: str, baselines: dict) -> Plan:
-    nodes_by_name = {n.name: n for n in captured.graph.nodes}
-    edges_of: dict[int, list] = {i: [] for i in range(problem.num_nodes)}
-    for e in problem.edges:
-        edges_of[e.src].append(e)
-        edges_of[e.dst].append(e)
+    """Every graph node (copies of repeated layers included) gets its problem node's choice."""
+    incident: dict[str, list] = {}
+    for (producer, consumer, _arg), k in index.edge_of.items():
+        incident.setdefault(producer, []).append((problem.edges[k], True))
+        incident.setdefault(consumer, []).append((problem.edges[k], False))
     nodes, parameters, buffers = {}, {}, {}
-    compute_total = 0.0
     memory = {"param": 0, "act": 0}
     states = OPTIMIZER_STATES[optimizer]
-    for i, name in enumerate(index.names):
-        chosen = index.strategies[i][solution.choice[i]]
-        kind = index.kinds[i]
-        compute_total += problem.node_costs[i][solution.choice[i]]
+    for node in captured.graph.nodes:
+        q = index.node_of.get(node.name)
+        if q is None:
+            continue
+        choice = solution.choice[q]
+        chosen = index.strategies[q][choice]
+        kind = index.kinds[q]
         if kind == "param":
-            fqn = captured.parameter_of[name]
-            val = nodes_by_name[name].meta["val"]
+            fqn = captured.parameter_of[node.name]
             split = tuple(d for d, p in enumerate(chosen.outputs[0]) if p.startswith("S("))
             exchange = "reduce_scatter" if split else "allreduce"
-            parameters[fqn] = ParameterPlan(_joined(chosen.outputs[0]), tensor_bytes(val), exchange)
-            memory["param"] += problem.node_memory[i][solution.choice[i]]
+            parameters[fqn] = ParameterPlan(_joined(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
+            memory["param"] += problem.node_memory[q][choice]
         elif kind == "buffer":
-            buffers[captured.buffer_of[name]] = _joined(chosen.outputs[0])
+            buffers[captured.buffer_of[node.name]] = _joined(chosen.outputs[0])
         elif kind in ("op", "input"):
-            node = nodes_by_name[name]
-            local = _local_costs(problem, solution.choice, i, edges_of[i])
-            chosen_reshard = local[solution.choice[i]]
-            others = sorted((t for t in range(len(local)) if t != solution.choice[i] and math.isfinite(local[t])),
-                            key=lambda t: (problem.node_costs[i][t] + local[t], t))[:_ALTERNATIVES]
-            nodes[name] = NodePlan(
+            local = _local_costs(problem, solution.choice, q, incident.get(node.name, []))
+            others = sorted((t for t in range(len(local)) if t != choice and math.isfinite(local[t])),
+                            key=lambda t: (problem.node_costs[q][t] + local[t], t))[:_ALTERNATIVES]
+            nodes[node.name] = NodePlan(
                 op=str(node.target) if kind == "op" else "input",
                 outputs=tuple(_joined(p) for p in chosen.outputs),
                 inputs=tuple(_joined(p) for p in chosen.inputs),
-                compute_s=problem.node_costs[i][solution.choice[i]],
-                fallback=bool(node.meta.get(FALLBACK_KEY, False)),
-                reshard_s=chosen_reshard,
+                compute_s=problem.node_costs[q][choice],
+                fallback=bool(index.fallback[q]),
+                reshard_s=local[choice],
                 alternatives=tuple({
-                    "outputs": [_joined(p) for p in index.strategies[i][t].outputs],
-                    "inputs": [_joined(p) for p in index.strategies[i][t].inputs],
-                    "compute_s": problem.node_costs[i][t], "reshard_s": local[t],
-                    "memory_delta_bytes": problem.node_memory[i][t] - problem.node_memory[i][solution.choice[i]],
+                    "outputs": [_joined(p) for p in index.strategies[q][t].outputs],
+                    "inputs": [_joined(p) for p in index.strategies[q][t].inputs],
+                    "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
+                    "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
                 } for t in others))
-            memory["act"] += problem.node_memory[i][solution.choice[i]]
+            memory["act"] += problem.node_memory[q][choice]
+    compute_total = problem.compute(solution.choice)
     per_copy = memory["param"] // (2 + states)
     return Plan(
         fingerprint=captured.fingerprint,
@@ -213,11 +245,14 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         predicted_step_s=solution.objective_s, predicted_compute_s=compute_total,
         predicted_comm_s=solution.objective_s - compute_total,
         memory=MemoryBreakdown(per_copy, per_copy, per_copy * states, memory["act"]),
-        solver={"name": "cpsat", "status": solution.status, "objective_s": solution.objective_s,
+        solver={"name": "cpsat", "status": solution.status, "method": solution.method,
+                "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,
-                "constraints": solution.num_constraints, "nodes": problem.num_nodes,
+                "constraints": solution.num_constraints, "nodes": len(index.node_of),
                 "gap": max(0.0, (solution.objective_s - solution.bound_s) / solution.objective_s)
                 if solution.objective_s > 0 else 0.0,
-                "distinct_nodes": problem.num_nodes - len(problem.same_as)},
+                "variables_unclustered": _unclustered_variables(problem),
+                "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
+                "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines,
     )

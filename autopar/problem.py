@@ -6,6 +6,11 @@ strategies map to the placement they output on that edge, the consumer's to the 
 (and work split) they expect, and ``cost[u][v]`` is the resharding time between classes
 (``None`` = not allowed, e.g. turning a replicated tensor into a partial sum).
 
+Repeated layers are folded before the solver sees them: one problem node stands for
+``node_count[i]`` identical graph nodes and one edge for ``count`` identical graph edges, so
+the objective and the memory row weigh each term by its multiplicity (Alpa's operator
+clustering, exact because identical copies take identical placements).
+
 >>> p = ShardingProblem(
 ...     node_names=["a", "b"], node_costs=[[1.0, 2.0], [1.0, 1.0]], node_memory=[[0, 0], [0, 0]],
 ...     edges=[Edge(0, 1, src_class=[0, 1], dst_class=[0, 1], cost=[[0.0, 5.0], [5.0, 0.0]])],
@@ -27,6 +32,17 @@ class Edge:
     src_class: list[int]  # producer strategy -> class index u
     dst_class: list[int]  # consumer strategy -> class index v
     cost: list[list[float | None]]  # [u][v] seconds, None = forbidden
+    count: int = 1  # identical graph edges this edge stands for
+
+    def members(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+        """Strategies of the producer per class u, and of the consumer per class v."""
+        src: dict[int, list[int]] = {}
+        dst: dict[int, list[int]] = {}
+        for s, u in enumerate(self.src_class):
+            src.setdefault(u, []).append(s)
+        for t, v in enumerate(self.dst_class):
+            dst.setdefault(v, []).append(t)
+        return src, dst
 
     def pair_cost(self, s: int, t: int) -> float:
         c = self.cost[self.src_class[s]][self.dst_class[t]]
@@ -41,22 +57,28 @@ class ShardingProblem:
     edges: list[Edge]
     memory_limit_bytes: int
     fixed: dict[int, int] = field(default_factory=dict)  # node -> forced strategy
-    same_as: dict[int, int] = field(default_factory=dict)  # node -> representative (repeated layers)
+    node_count: list[int] | None = None  # identical graph nodes per problem node (None: all 1)
 
-    def representative(self, i: int) -> int:
-        return self.same_as.get(i, i)
+    def count(self, i: int) -> int:
+        return 1 if self.node_count is None else self.node_count[i]
 
     @property
     def num_nodes(self) -> int:
         return len(self.node_names)
 
     def memory(self, choice: list[int]) -> int:
-        return sum(self.node_memory[i][s] for i, s in enumerate(choice))
+        return sum(self.count(i) * self.node_memory[i][s] for i, s in enumerate(choice))
+
+    def compute(self, choice: list[int]) -> float:
+        return sum(self.count(i) * self.node_costs[i][s] for i, s in enumerate(choice))
 
     def evaluate(self, choice: list[int]) -> float:
         """Objective of a full assignment (``inf`` when an edge pair is forbidden)."""
-        total = sum(self.node_costs[i][s] for i, s in enumerate(choice))
-        return total + sum(e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+        return self.compute(choice) + sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+
+    def min_memory(self) -> int:
+        """Memory of the least memory-hungry strategy of every node (a lower bound)."""
+        return sum(self.count(i) * min(m) for i, m in enumerate(self.node_memory))
 
     def feasible(self, choice: list[int]) -> bool:
         return math.isfinite(self.evaluate(choice)) and self.memory(choice) <= self.memory_limit_bytes
@@ -71,3 +93,4 @@ class Solution:
     solve_s: float
     num_variables: int
     num_constraints: int
+    method: str = "cp-sat"  # what proved the status: "lp" (integral relaxation) or "cp-sat"

@@ -2,7 +2,7 @@
 
 Planning never runs the model: torch.export traces with fake tensors, so a model built on
 the ``meta`` device or under ``FakeTensorMode`` plans as well as a real one. We decompose to
-core ATen because that is where DTensor's strategy registry and torch's FLOP formulas live
+core ATen (passes.decompose: once per distinct op signature) because that is where DTensor's strategy registry and torch's FLOP formulas live
 (composite ops such as ``linear`` or SDPA have neither; see shared/notes/torch-2.13-findings).
 
 Writes nothing into ``node.meta`` beyond what export gives (``val``, ``nn_module_stack``,
@@ -23,6 +23,7 @@ from torch import nn
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import TensorSpec
+from autopar.passes.decompose import decompose
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
                            "parallelize the model that owns the weights")
     try:
         program = torch.export.export(model, args, strict=False)
-        program = program.run_decompositions()
+        program = decompose(program)
     except AutoparError:
         raise
     except Exception as exc:  # torch raises many types here; we translate them all

@@ -1,11 +1,12 @@
 """Repeated-layer detection: identical layers share the solver's decision variables.
 
 A layer is a module reached through a ModuleList/Sequential index (``blocks.3``). Two layers
-of one list are identical when their nodes have the same ops, shapes, parameter names and
-internal wiring; the later layer's nodes are then mapped onto the first one's. The solver
-gives mapped nodes the representative's variables, so all copies take the same placements
-and the cost of each copy is still counted (PyTorch autoparallel and Alpa's operator
-clustering do the same).
+of one list are identical when their nodes have the same ops, shapes, constant arguments,
+parameter names and internal wiring, and what they read from outside has the same shapes;
+the later layer's nodes are then mapped onto the first one's. The problem keeps one node per
+representative weighted by its number of copies, so all copies take the same placements and
+the cost of each copy is still counted (PyTorch autoparallel and Alpa's operator clustering
+do the same).
 
 >>> layer_of_path("blocks.3.attn.qkv")
 'blocks.3'
@@ -20,7 +21,6 @@ import torch
 
 from autopar.passes.capture import Captured
 
-SAME_AS_KEY = "autopar.same_as"
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -75,5 +75,11 @@ def _signature(nodes: list[torch.fx.Node], local: dict[str, str]) -> tuple:
         vals = v if isinstance(v, (list, tuple)) else [v]
         return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in vals)
 
+    def argument(a):  # wiring inside the layer, shape of what comes from outside, constants
+        if isinstance(a, torch.fx.Node):
+            return ("in", position[a.name]) if a.name in position else ("outside", shape(a))
+        return repr(a)
+
     return tuple((n.op, local[n.name], shape(n),
-                  tuple(position.get(a.name, "outside") for a in n.all_input_nodes)) for n in nodes)
+                  tuple(argument(a) for a in torch.utils._pytree.tree_flatten((n.args, n.kwargs))[0]))
+                 for n in nodes)

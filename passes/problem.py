@@ -22,6 +22,7 @@ Costs of one training step, per device:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -38,7 +39,7 @@ from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.strategies import (
-    STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, tensor_args, work_split)
+    FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, tensor_args, work_split)
 
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 OUTPUT = "<output>"
@@ -48,22 +49,29 @@ OUTPUT = "<output>"
 class ProblemIndex:
     """What each problem node stands for, so a solution maps back to the graph."""
 
-    names: list[str]  # graph node name, or OUTPUT
+    names: list[str]  # graph node name (of the representative copy), or OUTPUT
     strategies: list[list[Strategy]]
     kinds: list[str]  # "param", "buffer", "input", "op", "output"
+    node_of: dict[str, int]  # every graph node name (copies included) -> problem node
+    edge_of: dict[tuple[str, str, int], int]  # graph edge (producer, consumer, arg) -> problem edge
+    fallback: list[bool]  # op runs replicated for lack of a DTensor rule
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None
                   ) -> tuple[ShardingProblem, ProblemIndex]:
-    """``repeated`` maps nodes of repeated layers to their representative (passes.layers)."""
+    """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
+    only representatives become problem nodes, and identical edges are merged with a count."""
     graph = captured.graph
+    repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
-    names, strategies, kinds, costs, memory = [], [], [], [], []
+    names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
 
     for node in graph.nodes:
+        if node.name in repeated:
+            continue
         if node.op == "placeholder":
             kind = ("param" if node.name in captured.parameter_of else
                     "buffer" if node.name in captured.buffer_of else "input")
@@ -89,6 +97,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         kinds.append(kind)
         costs.append(cost)
         memory.append(mem)
+        counts.append(1)
+        fallback.append(bool(node.meta.get(FALLBACK_KEY, False)))
+    for name, rep in repeated.items():
+        position[name] = position[rep]
+        counts[position[rep]] += 1
 
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
@@ -100,9 +113,13 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     kinds.append("output")
     costs.append([0.0])
     memory.append([0])
+    counts.append(1)
+    fallback.append(False)
 
     weights = _parameter_views(graph, captured)
-    edges = []
+    edges: list[Edge] = []
+    edge_at: dict[tuple, int] = {}  # identical graph edges (same representatives) -> one problem edge
+    edge_of: dict[tuple[str, str, int], int] = {}
     for node in list(graph.nodes):
         if node.op == "call_function":
             consumer, args = node, _edge_args(node)
@@ -113,18 +130,19 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         j = position[OUTPUT] if consumer is None else position[consumer.name]
         for a, (producer, out_index) in enumerate(args):
             i = position[producer.name]
-            val = _flat_vals(producer)[out_index]
-            edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], val,
-                               producer.name in grad_nodes, producer.name in weights, mesh,
-                               follow=consumer is not None and _follows(consumer, a)))
+            key = (i, j, a, out_index, producer.name in grad_nodes, producer.name in weights)
+            if key not in edge_at:
+                val = _flat_vals(producer)[out_index]
+                edge_at[key] = len(edges)
+                edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], val, key[4], key[5], mesh,
+                                   follow=consumer is not None and _follows(consumer, a)))
+            else:
+                k = edge_at[key]
+                edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
+            edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
-    same_as = {}
-    for name, rep in (repeated or {}).items():
-        i, r = position[name], position[rep]
-        if strategies[i] == strategies[r] and memory[i] == memory[r]:
-            same_as[i] = r
-    problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, same_as=same_as)
-    return problem, ProblemIndex(names, strategies, kinds)
+    problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
+    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback)
 
 
 def _flat_vals(node: torch.fx.Node) -> list:

@@ -7,6 +7,14 @@ of the per-dimension ones, filtered for even sharding. This is how DTensor itsel
 single-dim strategies, so the lowered program runs the placements the plan chose.
 Ops DTensor has no rule for run replicated (a warning names them once).
 
+Two prunings keep the problem small without losing plans worth having:
+  * constants (nodes that depend on no input or parameter: causal masks, position ids) are
+    never partial sums — a sum of pieces of a mask is never cheaper than the mask;
+  * inputs in a non-sum partial state (``P(max)``, ``P(avg)``…) are not offered to
+    consumers: DTensor's single-dim expansion proposes them for every linear op (e.g. a
+    P(max) + P(max) add), they multiply a residual stream's placements by 2.5 on a 2-D
+    mesh, and a producer that outputs one is still reduced to R or S by resharding.
+
 Writes ``node.meta["autopar.strategies"] = [Strategy, ...]`` on call_function nodes.
 A placement string has one entry per mesh dim: ``"S(0),R"``; per dim ``R``, ``S(d)``,
 ``P`` (partial sum) or ``P(op)`` for other partial reductions.
@@ -206,29 +214,48 @@ def evenly_sharded(shape, placements: tuple[str, ...], mesh_shape: tuple[int, ..
     return all(s % k == 0 and s >= k for s, k in zip(shape, parts) if k > 1)
 
 
-def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
-    """Attach the list of N-D strategies to every call_function node."""
+def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
+                         skip: "set[str] | dict[str, str]" = frozenset()) -> None:
+    """Attach the list of N-D strategies to every call_function node not in ``skip`` (copies
+    of a repeated layer, which take their representative's)."""
     cache: dict = {}
+    varying = {n.name for n in graph.nodes if n.op == "placeholder"}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         node.meta.pop(FALLBACK_KEY, None)
+        node.meta.pop(STRATEGIES_KEY, None)
+        if any(a.name in varying for a in node.all_input_nodes):
+            varying.add(node.name)
+        if node.name in skip:
+            continue
         per_dim = []
         for size in mesh_shape:
             key = _cache_key(node, size)
             if key not in cache:
                 cache[key] = one_dim_strategies(node, size)
-            per_dim.append(cache[key])
+            rules = cache[key]
+            if rules is not None and node.target is not operator.getitem:
+                constant = node.name not in varying
+                rules = [r for r in rules if not any(p.startswith("P(" if not constant else "P") for p in r[1])
+                         and not (constant and any(p is not None and p.startswith("P") for p in r[0]))]
+            per_dim.append(rules)
         custom = node.target in DTensor._op_dispatcher._custom_op_handlers
         if any(rules is None for rules in per_dim):
             _warn_fallback(node)
             node.meta[FALLBACK_KEY] = True
-            per_dim = [[(tuple("R" if isinstance(v, torch.Tensor) else None for v in output_vals(node)),
-                         ("R",) * len(tensor_args(node)))]] * len(mesh_shape)
+            node.meta[STRATEGIES_KEY] = [_replicated(node, mesh_shape)]
+            continue
         strategies = _combine(node, per_dim, mesh_shape)
         if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
             strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
         node.meta[STRATEGIES_KEY] = strategies
+
+
+def _replicated(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
+    everywhere = ("R",) * len(mesh_shape)
+    return Strategy(tuple(everywhere if isinstance(v, torch.Tensor) else None for v in output_vals(node)),
+                    (everywhere,) * len(tensor_args(node)))
 
 
 def _combine(node, per_dim, mesh_shape) -> list[Strategy]:

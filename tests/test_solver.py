@@ -13,20 +13,29 @@ from autopar.solvers.ilp import CpSatSolver
 
 
 def random_problem(rng: random.Random) -> ShardingProblem:
-    n = rng.randint(2, 6)
+    """≤ 8 nodes, ≤ 4 strategies, a random DAG; half of the problems carry the multiplicities
+    of folded repeated layers (node and edge counts, edges between copies of one node)."""
+    n = rng.randint(2, 8)
     k = [rng.randint(1, 4) for _ in range(n)]
+    while math.prod(k) > 4096:  # keep brute force quick
+        k[k.index(max(k))] -= 1
     costs = [[round(rng.uniform(0, 10), 3) for _ in range(k[i])] for i in range(n)]
     memory = [[rng.randint(0, 100) for _ in range(k[i])] for i in range(n)]
+    folded = rng.random() < 0.5
     edges = []
     for j in range(1, n):
-        for i in rng.sample(range(j), rng.randint(1, min(2, j))):
+        sources = rng.sample(range(j), rng.randint(1, min(2, j)))
+        if folded and rng.random() < 0.2:
+            sources.append(j)  # a layer's node feeding the same node of the next copy
+        for i in sources:
             src_class = [rng.randint(0, 2) for _ in range(k[i])]
             dst_class = [rng.randint(0, 2) for _ in range(k[j])]
             cost = [[None if rng.random() < 0.15 else round(rng.uniform(0, 10), 3) for _ in range(3)]
                     for _ in range(3)]
-            edges.append(Edge(i, j, src_class, dst_class, cost))
-    limit = rng.randint(50, 100 * n)
-    return ShardingProblem([f"n{i}" for i in range(n)], costs, memory, edges, limit)
+            edges.append(Edge(i, j, src_class, dst_class, cost, count=rng.randint(1, 4) if folded else 1))
+    counts = [rng.randint(1, 3) for _ in range(n)] if folded else None
+    limit = rng.randint(50, 100 * n * (2 if folded else 1))
+    return ShardingProblem([f"n{i}" for i in range(n)], costs, memory, edges, limit, node_count=counts)
 
 
 def brute_force(problem: ShardingProblem) -> float:
@@ -48,6 +57,26 @@ def test_ilp_equals_brute_force(seed):
         assert solution.status == "OPTIMAL"
         assert problem.feasible(solution.choice)
         assert solution.objective_s == pytest.approx(expected, rel=1e-6, abs=1e-6)
+
+
+def test_both_proofs_are_exercised():
+    """The LP relaxation settles some problems; CP-SAT the rest (both checked above)."""
+    methods = set()
+    for seed in range(60):
+        problem = random_problem(random.Random(seed))
+        if not math.isinf(brute_force(problem)):
+            methods.add(CpSatSolver(time_limit_s=20).solve(problem).method)
+    assert methods == {"lp", "cp-sat"}
+
+
+def test_cp_sat_alone_matches_relaxation_first():
+    for seed in range(30):
+        problem = random_problem(random.Random(seed))
+        a = CpSatSolver(time_limit_s=20).solve(problem)
+        b = CpSatSolver(time_limit_s=20, relaxation_first=False).solve(problem)
+        assert a.status == b.status
+        if a.choice:
+            assert a.objective_s == pytest.approx(b.objective_s, rel=1e-6, abs=1e-6)
 
 
 def test_chain_with_reshard_penalty_has_closed_form():

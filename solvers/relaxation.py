@@ -1,0 +1,139 @@
+r"""LP relaxation of the sharding ILP (GLOP): a proof of optimality when it comes out integral.
+
+Same variables and rows as solvers/ilp.py, with x and y relaxed to [0, 1]. The relaxation's
+optimum is a lower bound on the ILP's; when its x is integral, y is too (rows and columns of
+each edge's pair block then sum to one-hot vectors), the assignment is feasible, and it is
+therefore optimal — no branch and bound needed. On transformer graphs folded by repeated-layer
+clustering this is the common case: a Llama-3-8B shape on an 8×8 mesh (103 problem nodes,
+16k pair variables) solves in ~0.2 s as an LP where CP-SAT needed 6–15 s to prove the same
+optimum. When x is fractional the caller falls back to CP-SAT.
+
+The model is built once per problem and re-solved for each set of fixed placements (the
+baselines fix parameter and input placements of the same problem), warm-started by GLOP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.linear_solver import pywraplp
+
+from autopar.problem import ShardingProblem
+
+_INTEGRAL = 1e-6  # x within this of 0 or 1 counts as integral
+_MEMORY_UNIT = float(1 << 30)  # memory row in GiB: keeps coefficients near the cost scale
+
+
+@dataclass(frozen=True)
+class RelaxedSolution:
+    status: str  # "INTEGRAL", "FRACTIONAL", "INFEASIBLE" or "UNKNOWN"
+    bound_s: float  # the relaxation's optimum (a lower bound), when solved
+    choice: list[int] | None  # the assignment, when integral
+    leaning: list[int] | None  # per node, the strategy with the largest x (a hint)
+
+
+class LpRelaxation:
+    """The relaxation of one problem (its ``fixed`` placements are ignored here: pass them
+    to :meth:`solve`)."""
+
+    def __init__(self, problem: ShardingProblem) -> None:
+        self.problem = problem
+        self.solver = pywraplp.Solver.CreateSolver("GLOP")
+        inf = self.solver.infinity()
+        objective = self.solver.Objective()
+        self.x = []
+        for i, costs in enumerate(problem.node_costs):
+            row = [self.solver.NumVar(0.0, 1.0, "") for _ in costs]
+            one = self.solver.Constraint(1.0, 1.0)
+            for var, c in zip(row, costs):
+                one.SetCoefficient(var, 1.0)
+                if c:
+                    objective.SetCoefficient(var, problem.count(i) * c)
+            self.x.append(row)
+        memory = self.solver.Constraint(-inf, problem.memory_limit_bytes / _MEMORY_UNIT)
+        self.memory_terms = []
+        for i, mems in enumerate(problem.node_memory):
+            for var, m in zip(self.x[i], mems):
+                if m:
+                    memory.SetCoefficient(var, problem.count(i) * m / _MEMORY_UNIT)
+                    self.memory_terms.append((var, problem.count(i) * m / _MEMORY_UNIT))
+        for e in problem.edges:
+            self._edge(e, objective)
+        objective.SetMinimization()
+        self.objective = objective
+        self.time_terms = [(var, objective.GetCoefficient(var)) for var in self.solver.variables()
+                           if objective.GetCoefficient(var)]
+        self.time_row = None  # created on first use by _least_memory
+
+    def _edge(self, e, objective) -> None:
+        src_members, dst_members = e.members()
+        rows = {u: self.solver.Constraint(0.0, 0.0) for u in src_members}
+        cols = {v: self.solver.Constraint(0.0, 0.0) for v in dst_members}
+        for u, members in src_members.items():
+            for s in members:
+                rows[u].SetCoefficient(self.x[e.src][s], -1.0)
+        for v, members in dst_members.items():
+            for t in members:
+                cols[v].SetCoefficient(self.x[e.dst][t], -1.0)
+        for u in src_members:
+            for v in dst_members:
+                cost = e.cost[u][v]
+                if cost is None:
+                    continue
+                y = self.solver.NumVar(0.0, 1.0, "")
+                rows[u].SetCoefficient(y, 1.0)
+                cols[v].SetCoefficient(y, 1.0)
+                if cost:
+                    objective.SetCoefficient(y, e.count * cost)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.solver.NumVariables(), self.solver.NumConstraints()
+
+    def solve(self, fixed: dict[int, int], time_limit_s: float, least_memory: bool = True) -> RelaxedSolution:
+        """``least_memory``: when integral, break ties in time by memory (a second LP)."""
+        for i, s in fixed.items():
+            self.x[i][s].SetLb(1.0)
+        self.solver.SetTimeLimit(int(time_limit_s * 1000))
+        code = self.solver.Solve()
+        values = [[var.solution_value() for var in row] for row in self.x] if code == pywraplp.Solver.OPTIMAL else []
+        bound = self.objective.Value() if code == pywraplp.Solver.OPTIMAL else float("-inf")
+        integral = code == pywraplp.Solver.OPTIMAL and _integral(values)
+        if integral and least_memory:
+            values = self._least_memory(bound, time_limit_s) or values
+        for i, s in fixed.items():  # only after reading the solution: a change discards it
+            self.x[i][s].SetLb(0.0)
+        if code == pywraplp.Solver.INFEASIBLE:
+            return RelaxedSolution("INFEASIBLE", float("inf"), None, None)
+        if code != pywraplp.Solver.OPTIMAL:
+            return RelaxedSolution("UNKNOWN", float("-inf"), None, None)
+        leaning = [max(range(len(row)), key=row.__getitem__) for row in values]
+        return RelaxedSolution("INTEGRAL" if integral else "FRACTIONAL", bound,
+                               leaning if integral else None, leaning)
+
+    def _least_memory(self, time_s: float, time_limit_s: float) -> list[list[float]] | None:
+        """Among the assignments as fast as ``time_s``, one that needs the least memory (e.g. a
+        batch-sharded input rather than a replicated one that is sliced for free); None when
+        the second LP is not integral."""
+        if self.time_row is None:
+            self.time_row = self.solver.Constraint(-self.solver.infinity(), self.solver.infinity())
+            for var, c in self.time_terms:
+                self.time_row.SetCoefficient(var, c)
+        self.time_row.SetUb(time_s * (1 + 1e-9) + 1e-15)
+        self._set_objective(self.memory_terms)
+        self.solver.SetTimeLimit(int(time_limit_s * 1000))
+        code = self.solver.Solve()
+        values = [[var.solution_value() for var in row] for row in self.x] if code == pywraplp.Solver.OPTIMAL else None
+        self.time_row.SetUb(self.solver.infinity())
+        self._set_objective(self.time_terms)
+        return values if values is not None and _integral(values) else None
+
+    def _set_objective(self, terms) -> None:
+        self.objective.Clear()
+        for var, c in terms:
+            self.objective.SetCoefficient(var, c)
+        self.objective.SetMinimization()
+
+
+def _integral(values: list[list[float]]) -> bool:
+    return all(v < _INTEGRAL or v > 1.0 - _INTEGRAL for row in values for v in row)

@@ -1,0 +1,83 @@
+"""The memoised decomposition (passes.decompose) gives the graph run_decompositions() gives."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.passes.decompose import decompose
+from models import GPT, MLP, Block, ConvNet
+
+
+class InPlace(nn.Module):
+    """In-place op and a mutated buffer: these need functionalization (full retrace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        y = self.lin(x)
+        y.relu_()
+        return y
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.drop(torch.relu(self.bn(self.conv(x))))
+        return self.head(y.mean(dim=(2, 3))).softmax(-1)
+
+
+CASES = {
+    "mlp": lambda: (MLP(), (torch.randn(4, 16),)),
+    "block": lambda: (Block(), (torch.randn(2, 8, 32),)),
+    "gpt": lambda: (GPT(vocab=64, d=32, layers=3, heads=4, max_len=16), (torch.randint(0, 64, (2, 16)),)),
+    "convnet": lambda: (ConvNet(), (torch.randn(2, 3, 16, 16),)),
+    "normed": lambda: (Normed(), (torch.randn(2, 3, 10, 10),)),
+    "inplace": lambda: (InPlace(), (torch.randn(4, 8),)),
+}
+
+
+def _ops(program: torch.export.ExportedProgram) -> list[tuple]:
+    def shape(v):
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    return [(str(n.target), shape(n.meta.get("val")))
+            for n in program.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_same_ops_as_run_decompositions(name):
+    model, inputs = CASES[name]()
+    expected = torch.export.export(model, inputs, strict=False).run_decompositions()
+    got = decompose(torch.export.export(model, inputs, strict=False))
+    assert _ops(got) == _ops(expected)
+    torch.manual_seed(0)
+    want = expected.module()(*inputs)
+    torch.manual_seed(0)
+    assert torch.equal(got.module()(*inputs), want)
+
+
+def test_repeated_layers_trace_once(monkeypatch):
+    """Three identical blocks: later layers reuse the cached decompositions."""
+    import autopar.passes.decompose as module
+
+    traced = []
+    original = module._trace
+    monkeypatch.setattr(module, "_trace", lambda node, *a: traced.append(node.target) or original(node, *a))
+    model, inputs = CASES["gpt"]()
+    decompose(torch.export.export(model, inputs, strict=False))
+    linear = [t for t in traced if t == torch.ops.aten.linear.default]
+    assert 0 < len(linear) <= 5  # qkv, proj, fc, out (one per shape) and the head, not 3 × 4 + 1
+    assert operator.getitem not in traced

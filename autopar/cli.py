@@ -90,6 +90,8 @@ def _load_model(target: str, trust_pickle: bool):
 
 def summary_json(plan) -> dict:
     """The stable machine-readable summary (keys are only ever added, never renamed)."""
+    from autopar.report import layer_groups, top_nodes
+
     limit = plan.cluster["memory_limit_bytes"]
     return {
         "schema_version": plan.schema_version,
@@ -107,6 +109,10 @@ def summary_json(plan) -> dict:
         "solver": {"status": plan.solver["status"].lower(), "objective": plan.solver["objective_s"],
                    "bound": plan.solver["bound_s"], "solve_s": plan.timings["solve_s"] if plan.timings else None,
                    "variables": plan.solver["variables"]},
+        "predicted_compute_s": plan.predicted_compute_s,
+        "predicted_comm_s": plan.predicted_comm_s,
+        "top_nodes": top_nodes(plan),
+        "layers": layer_groups(plan),
     }
 
 

@@ -1,15 +1,21 @@
-"""Alpha-beta cost of collectives over one mesh dimension (ring algorithms).
+"""Alpha-beta cost of collectives over one mesh dimension.
 
 ``nbytes`` is the size of the *whole* tensor held by the group (before sharding on this
-dimension), ``n`` the group size. Sources: Thakur, Rabenseifner & Gropp, "Optimization of
-Collective Communication Operations in MPICH" (2005); the NCCL performance notes use the
-same bus-bandwidth factors.
+dimension), ``n`` the group size. Each collective takes the faster of the algorithms a
+library picks between: ring (bandwidth-optimal, latency linear in n) and a tree / recursive
+doubling form (latency logarithmic in n) — on 1024 ranks a ring all-reduce of a small
+activation pays 2·1023 latencies, a double binary tree 2·10. Sources: Thakur, Rabenseifner
+& Gropp, "Optimization of Collective Communication Operations in MPICH" (2005); NCCL's
+ring/tree selection and bus-bandwidth factors.
 
 >>> link = Link(bandwidth_Bps=1e9, latency_s=0.0)
 >>> all_reduce_s(4e9, 4, link)       # 2·(n−1)/n · bytes / bw
 6.0
 >>> all_gather_s(4e9, 4, link)       # (n−1)/n · bytes / bw
 3.0
+>>> slow = Link(bandwidth_Bps=1e9, latency_s=1e-3)
+>>> round(all_reduce_s(1e3, 1024, slow), 6)  # tiny message: the tree's 2·10 latencies, not the ring's 2·1023
+0.020002
 """
 
 from __future__ import annotations
@@ -17,18 +23,26 @@ from __future__ import annotations
 from autopar.cluster import Link
 
 
+def _log2(n: int) -> int:
+    return max(1, (n - 1).bit_length())  # ⌈log2 n⌉ rounds
+
+
 def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce: 2·(n−1)/n · bytes / bw + 2·(n−1)·latency."""
+    """min(ring: 2·(n−1)/n · bytes/bw + 2·(n−1)·latency,
+    double binary tree: 2 · bytes/bw + 2·⌈log2 n⌉·latency)."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s
+    ring = 2 * (n - 1) / n * nbytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s
+    tree = 2 * nbytes / link.bandwidth_Bps + 2 * _log2(n) * link.latency_s
+    return min(ring, tree)
 
 
 def all_gather_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-gather of a tensor of ``nbytes`` in total: (n−1)/n · bytes / bw + (n−1)·latency."""
+    """All-gather of a tensor of ``nbytes`` in total: (n−1)/n · bytes/bw, with the ring's
+    (n−1) latencies or recursive doubling's ⌈log2 n⌉ (same volume; Bruck for non-powers of 2)."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth_Bps + (n - 1) * link.latency_s
+    return (n - 1) / n * nbytes / link.bandwidth_Bps + min(n - 1, _log2(n)) * link.latency_s
 
 
 def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:

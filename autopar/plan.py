@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +22,18 @@ from typing import Any
 from autopar.errors import AutoparError, ErrorKind
 
 SCHEMA_VERSION = 1
+_INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def layer_of_path(path: str) -> str | None:
+    """Outermost indexed module of a dotted path (``blocks.3`` of ``blocks.3.qkv``): the unit
+    repeated-layer clustering folds and reports group by.
+
+    >>> layer_of_path("blocks.3.attn.qkv"), layer_of_path("head.weight")
+    ('blocks.3', None)
+    """
+    match = _INDEXED.match(path)
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ class NodePlan:
     # the best other candidates with their costs, neighbours fixed (for `autopar explain`):
     # {"outputs", "inputs", "compute_s", "reshard_s", "memory_delta_bytes"}
     alternatives: tuple[dict, ...] = ()
+    memory_bytes: int = 0  # per device: this node's outputs kept for backward, as placed
 
 
 @dataclass(frozen=True)
@@ -131,7 +145,7 @@ class Plan:
                 mesh_shape=tuple(d["mesh_shape"]), mesh_dim_names=tuple(d["mesh_dim_names"]),
                 inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
                 nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"],
-                                   v["reshard_s"], tuple(v["alternatives"]))
+                                   v["reshard_s"], tuple(v["alternatives"]), v.get("memory_bytes", 0))
                        for k, v in d["nodes"].items()},
                 parameters={k: ParameterPlan(**v) for k, v in d["parameters"].items()},
                 buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],

@@ -17,11 +17,11 @@ import time
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, mesh_for_shape
-from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
+from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_of_path
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
-from autopar.passes.layers import find_repeated_layers, layer_of_path
+from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
 from autopar.passes.strategies import enumerate_strategies
@@ -55,7 +55,8 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     baselines: dict[str, dict] = {}
     for bound, order, mesh, problem, index in sorted(prepared, key=lambda p: p[:2]):
         rules = BASELINES if len(mesh.shape) == 1 else BASELINES_2D
-        found, hint = _baselines(problem, index, engine, _megatron_roles(captured, index), rules)
+        found, hint = _baselines(problem, index, engine, _megatron_roles(captured, index), _batch_dims(captured, index),
+                                 rules)
         for name, entry in found.items():  # each baseline keeps its best mesh
             old = baselines.get(name)
             if old is None or entry["feasible"] and (not old["feasible"] or
@@ -133,7 +134,18 @@ def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]
     return roles
 
 
-def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles,
+def _batch_dims(captured: Captured, index: ProblemIndex) -> list[int | None]:
+    """Batch dimension of each user input for the data-parallel baselines: the first dim whose
+    size is the first input's leading size (DLRM's ids are (tables, batch, ids per bag))."""
+    batch = captured.inputs[0].shape[0] if captured.inputs and captured.inputs[0].shape else None
+    dims: list[int | None] = []
+    for name, kind in zip(index.names, index.kinds):
+        spec = next((t for t in captured.inputs if t.name == name), None) if kind == "input" else None
+        dims.append(next((d for d, size in enumerate(spec.shape) if size == batch), None) if spec else None)
+    return dims
+
+
+def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles, batch_dims: list[int | None],
                rules: dict) -> tuple[dict, list[int] | None]:
     """Hand-written configurations as fixed parameter and input placements, the rest optimised
     by the same model. Returns their predictions and the best feasible assignment (a warm start)."""
@@ -141,7 +153,7 @@ def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles,
                     for kind, options in zip(index.kinds, index.strategies)]
     result, best = {}, None
     for name, rule in rules.items():
-        fixed = rule(index.kinds, leaf_options, roles)
+        fixed = rule(index.kinds, leaf_options, roles, batch_dims)
         solution = engine.solve(dataclasses.replace(problem, fixed=fixed)) if fixed is not None else None
         feasible = solution is not None and bool(solution.choice)
         result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible}
@@ -232,7 +244,8 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                     "inputs": [_joined(p) for p in index.strategies[q][t].inputs],
                     "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
                     "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
-                } for t in others))
+                } for t in others),
+                memory_bytes=problem.node_memory[q][choice])
             memory["act"] += problem.node_memory[q][choice]
     compute_total = problem.compute(solution.choice)
     per_copy = memory["param"] // (2 + states)

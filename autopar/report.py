@@ -8,12 +8,13 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.plan import Plan
+from autopar.plan import Plan, layer_of_path
 from autopar.units import format_bytes, format_seconds
 
 
 def summary(plan: Plan) -> str:
-    """Header, memory per device, and parameter placements grouped by placement."""
+    """Header; memory and time per device; baselines; placements per layer; the top nodes by
+    time and by memory; parameters grouped by placement."""
     out = io.StringIO()
     console = Console(file=out, width=110, force_terminal=False)
     timing = f", planned in {plan.timings['plan_s']:.1f} s" if plan.timings else ""
@@ -21,15 +22,26 @@ def summary(plan: Plan) -> str:
                   f"{list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver {plan.solver['status']}{timing}")
     console.print(f"predicted step {format_seconds(plan.predicted_step_s)} = compute "
                   f"{format_seconds(plan.predicted_compute_s)} + communication {format_seconds(plan.predicted_comm_s)}")
-    memory = Table(title="memory per device")
-    for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use"):
+    memory = Table(title=f"memory per device, and time (all {plan.num_devices} devices run the same program)")
+    for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use", "compute", "comm"):
         memory.add_column(column, justify="right")
     m = plan.memory
     limit = plan.cluster["memory_limit_bytes"]
     memory.add_row(*(format_bytes(b) for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
                                                 m.activations_bytes, m.total_bytes, limit)),
-                   f"{100 * m.total_bytes / limit:.1f}%")
+                   f"{100 * m.total_bytes / limit:.1f}%", format_seconds(plan.predicted_compute_s),
+                   format_seconds(plan.predicted_comm_s))
     console.print(memory)
+    console.print(_baselines_table(plan))
+    console.print(_layers_table(plan))
+    for title, rows in top_nodes(plan).items():
+        table = Table(title=f"top {len(rows)} nodes by {title.removeprefix('by_')}")
+        for column in ("node", "op", "output placement", "compute", "reshard", "memory kept"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(row["node"], row["op"], str(row["outputs"]), format_seconds(row["compute_s"]),
+                          format_seconds(row["reshard_s"]), format_bytes(row["memory_bytes"]))
+        console.print(table)
     params = Table(title="parameters by placement")
     for column in ("placement", "gradient sync", "count", "bytes", "examples"):
         params.add_column(column)
@@ -44,6 +56,63 @@ def summary(plan: Plan) -> str:
     if ops:
         console.print(f"ops run replicated (no DTensor rule): {dict(ops)}")
     return out.getvalue()
+
+
+_TOP = 5
+
+
+def top_nodes(plan: Plan, k: int = _TOP) -> dict[str, list[dict]]:
+    """The ``k`` nodes that cost the most time (compute + resharding) and memory."""
+    def row(name: str) -> dict:
+        n = plan.nodes[name]
+        return {"node": name, "op": n.op, "outputs": ",".join(o or "-" for o in n.outputs),
+                "compute_s": n.compute_s, "reshard_s": n.reshard_s, "memory_bytes": n.memory_bytes}
+    by_time = sorted(plan.nodes, key=lambda m: (-(plan.nodes[m].compute_s + plan.nodes[m].reshard_s), m))[:k]
+    by_memory = sorted(plan.nodes, key=lambda m: (-plan.nodes[m].memory_bytes, m))[:k]
+    return {"by_time": [row(m) for m in by_time], "by_memory": [row(m) for m in by_memory]}
+
+
+def layer_groups(plan: Plan) -> list[dict]:
+    """Parameter placements per layer; consecutive layers placed alike form one group
+    (``blocks.0–31``), parameters outside indexed layers form one group each module."""
+    layers: dict[str, dict[str, str]] = {}
+    for fqn, p in plan.parameters.items():
+        layer = layer_of_path(fqn) or fqn.rsplit(".", 1)[0]
+        layers.setdefault(layer, {})[fqn[len(layer) + 1:]] = p.placement
+    groups: list[dict] = []
+    for layer, placements in layers.items():
+        family, _, index = layer.rpartition(".")
+        last = groups[-1] if groups else None
+        if (last and index.isdigit() and last["family"] == family and last["placements"] == placements
+                and last["last"] == int(index) - 1):
+            last["last"] = int(index)
+            continue
+        groups.append({"family": family, "first": int(index) if index.isdigit() else None,
+                       "last": int(index) if index.isdigit() else None, "layer": layer, "placements": placements})
+    return [{"layers": g["layer"] if g["first"] is None or g["first"] == g["last"]
+             else f"{g['family']}.{g['first']}-{g['last']}", "placements": g["placements"]} for g in groups]
+
+
+def _layers_table(plan: Plan) -> Table:
+    table = Table(title="parameter placements per layer (identical consecutive layers grouped)")
+    table.add_column("layers")
+    table.add_column("placements")
+    for group in layer_groups(plan):
+        table.add_row(group["layers"], ", ".join(f"{k} {v}" for k, v in group["placements"].items()))
+    return table
+
+
+def _baselines_table(plan: Plan) -> Table:
+    table = Table(title="plan vs baselines (same cost model)")
+    for column in ("configuration", "predicted step", "plan is faster by"):
+        table.add_column(column)
+    table.add_row("autopar plan", format_seconds(plan.predicted_step_s), "")
+    for name, b in sorted(plan.baselines.items()):
+        if b.get("feasible") and b.get("predicted_step_s"):
+            table.add_row(name, format_seconds(b["predicted_step_s"]), f"x{b['predicted_step_s'] / plan.predicted_step_s:.2f}")
+        else:
+            table.add_row(name, "infeasible", "")
+    return table
 
 
 def diff(a: Plan, b: Plan) -> dict:

@@ -34,7 +34,12 @@ def run_one(layers: int, hidden: int, heads: int, seq: int, vocab: int, cluster:
 
     model, inputs = build(layers=layers, d=hidden, heads=heads, vocab=vocab, seq=seq, batch=batch)
     start = time.perf_counter()
-    plan = autopar.plan(model, inputs, cluster=cluster, time_limit_s=120)
+    try:
+        plan = autopar.plan(model, inputs, cluster=cluster, time_limit_s=120)
+    except autopar.AutoparError as exc:  # e.g. no plan fits in memory: a result, not a crash
+        return {"layers": layers, "hidden": hidden, "seq": seq, "batch": batch, "cluster": cluster,
+                "status": exc.kind.value.lower(), "total_s": round(time.perf_counter() - start, 2),
+                "error": str(exc)[:160]}
     total = time.perf_counter() - start
     return {"layers": layers, "hidden": hidden, "seq": seq, "batch": batch, "cluster": cluster,
             "nodes": len(plan.nodes), "mesh": list(plan.mesh_shape),

@@ -76,6 +76,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     except Exception as exc:  # torch raises many types here; we translate them all
         raise _untraceable(model, exc) from exc
     program.graph.eliminate_dead_code()
+    _check_static_shapes(model, program)
     if not any(n.op == "call_function" for n in program.graph.nodes):
         raise AutoparError(ErrorKind.BAD_INPUT,
                            f"{type(model).__name__}.forward performs no tensor operations; nothing to plan")
@@ -87,6 +88,32 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     captured = Captured(program, inputs, dict(sig.inputs_to_parameters), buffer_of, fingerprint(program.graph))
     log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
     return captured
+
+
+def _check_static_shapes(model: nn.Module, program: torch.export.ExportedProgram) -> None:
+    """Plans are made for fixed shapes: a shape that depends on tensor values (boolean-mask
+    indexing, nonzero, unique) cannot be costed or sharded ahead of time."""
+    for node in program.graph.nodes:
+        vals = node.meta.get("val")
+        for val in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(val, torch.Tensor) and not all(isinstance(d, int) for d in val.shape):
+                raise AutoparError(
+                    ErrorKind.UNTRACEABLE,
+                    f"cannot plan {type(model).__name__}: node {node.name} ({node.target}) has shape "
+                    f"{tuple(val.shape)}, which depends on the data\n  at {_user_frame(node)}\n"
+                    "  fixes: 1) keep shapes fixed — replace boolean-mask indexing (x[mask]) or nonzero() "
+                    "with torch.where / multiplying by the mask; 2) pad variable-length data to a fixed size")
+
+
+def _user_frame(node: torch.fx.Node) -> str:
+    """The last frame of the node's stack trace outside torch (the user's line)."""
+    lines = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for k in range(len(lines) - 1, -1, -1):
+        line = lines[k].strip()
+        if line.startswith("File ") and _TORCH_DIR not in line:
+            code = lines[k + 1].strip() if k + 1 < len(lines) else ""
+            return f"{line.removeprefix('File ')}: `{code}`"
+    return "unknown location"
 
 
 def fingerprint(graph: torch.fx.Graph) -> str:

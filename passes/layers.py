@@ -14,20 +14,13 @@ do the same).
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 import torch
 
 from autopar.passes.capture import Captured
+from autopar.plan import layer_of_path
 
-_INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def layer_of_path(path: str) -> str | None:
-    """Outermost indexed module of a dotted path (``blocks.3`` of ``blocks.3.qkv``)."""
-    match = _INDEXED.match(path)
-    return match.group(1) if match else None
 
 
 def _layer_of(node: torch.fx.Node, captured: Captured) -> tuple[str, str] | None:

@@ -296,7 +296,8 @@ def _warn_fallback(node: torch.fx.Node) -> None:
     name = str(node.target)
     if name not in _warned_ops:
         _warned_ops.add(name)
-        log.warning("no DTensor sharding rule for %s (first seen at node %s): it runs replicated", name, node.name)
+        log.warning("no usable DTensor sharding rule for %s (none registered, or it rejects these arguments; "
+                    "first seen at node %s): it runs replicated", name, node.name)
 
 
 def work_split(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:

@@ -12,4 +12,7 @@ def get_solver(name: str, *, time_limit_s: float = 60.0, seed: int = 0):
     registry = {"cpsat": CpSatSolver}
     if name not in registry:
         raise AutoparError(ErrorKind.BAD_INPUT, f"unknown solver {name!r}; available: {', '.join(registry)}")
+    if not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"time_limit_s must be a positive number of seconds, got "
+                           f"{time_limit_s!r}; the best plan found within it is returned with its gap")
     return registry[name](time_limit_s=time_limit_s, seed=seed)

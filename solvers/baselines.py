@@ -3,11 +3,13 @@ inputs; the ILP fills in the remaining ops, so each baseline is costed by the sa
 
 ``leaf_options[i]`` lists, for problem node i, the placement string of each strategy of a
 parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
-parameter plays ("column_weight", "column_bias", "row_weight", "row_bias" or None).
+parameter plays ("column_weight", "column_bias", "row_weight", "row_bias" or None);
+``batch_dims[i]`` is the batch dimension of an input (None: the input has no batch dim and
+stays replicated). In the rules, ``B`` stands for "shard on the batch dim".
 ``BASELINES`` are for a 1-D mesh over all devices, ``BASELINES_2D`` for a 2-D mesh whose
 inner dimension lies inside a host.
 
->>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []], [None, None, None])
+>>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []], [None, None, None], [None, 0, None])
 {0: 0, 1: 1}
 """
 
@@ -21,7 +23,8 @@ def _pick(options: list[str], wanted: list[str]) -> int | None:
     return None
 
 
-def _fix(kinds, leaf_options, param_wanted, input_wanted, roles=None, by_role=None) -> dict[int, int] | None:
+def _fix(kinds, leaf_options, batch_dims, param_wanted, input_wanted, roles=None,
+         by_role=None) -> dict[int, int] | None:
     fixed = {}
     for i, (kind, options) in enumerate(zip(kinds, leaf_options)):
         wanted = param_wanted if kind == "param" else input_wanted if kind == "input" else None
@@ -29,6 +32,9 @@ def _fix(kinds, leaf_options, param_wanted, input_wanted, roles=None, by_role=No
             wanted = by_role[roles[i]]
         if wanted is None:
             continue
+        if kind == "input":
+            batch = batch_dims[i] if batch_dims else 0
+            wanted = [w.replace("B", "R" if batch is None else f"S({batch})") for w in wanted]
         choice = _pick(options, wanted)
         if choice is None:
             return None  # e.g. a batch not divisible by the data-parallel degree
@@ -36,37 +42,37 @@ def _fix(kinds, leaf_options, param_wanted, input_wanted, roles=None, by_role=No
     return fixed
 
 
-def ddp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
+def ddp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
     """DDP: parameters replicated, inputs split on the batch dim."""
-    return _fix(kinds, leaf_options, ["R"], ["S(0)"])
+    return _fix(kinds, leaf_options, batch_dims, ["R"], ["B"])
 
 
-def fsdp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
+def fsdp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
     """FSDP / ZeRO-3: parameters sharded on dim 0 (replicated when too small), batch split."""
-    return _fix(kinds, leaf_options, ["S(0)", "R"], ["S(0)"])
+    return _fix(kinds, leaf_options, batch_dims, ["S(0)", "R"], ["B"])
 
 
 MEGATRON_ROLES = {"column_weight": ["S(0)"], "column_bias": ["S(0)"], "row_weight": ["S(1)"], "row_bias": ["R"]}
 
 
-def megatron_tp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
+def megatron_tp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
     """Megatron tensor parallelism over all devices: linear layers alternate column-parallel
     (weight rows and bias sharded) and row-parallel (weight columns sharded, bias replicated);
     everything else replicated, inputs replicated. Infeasible when no linear layer exists."""
     if not any(roles):
         return None
-    return _fix(kinds, leaf_options, ["R"], ["R"], roles, MEGATRON_ROLES)
+    return _fix(kinds, leaf_options, batch_dims, ["R"], ["R"], roles, MEGATRON_ROLES)
 
 
 BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp}
 
 
-def tp_dp(kinds: list[str], leaf_options: list[list[str]], roles) -> dict[int, int] | None:
+def tp_dp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
     """Megatron inside a host (inner mesh dim) × data parallel across hosts (outer dim)."""
     if not any(roles):
         return None
     by_role = {role: [f"R,{p[0]}"] for role, p in MEGATRON_ROLES.items()}
-    return _fix(kinds, leaf_options, ["R,R"], ["S(0),R"], roles, by_role)
+    return _fix(kinds, leaf_options, batch_dims, ["R,R"], ["B,R"], roles, by_role)
 
 
 BASELINES_2D = {"tp_dp": tp_dp}

@@ -37,8 +37,14 @@ def test_plan_factory_json_and_show(tmp_path):
     assert shown.returncode == 0, shown.stderr
     again = json.loads(shown.stdout)
     assert again["predicted_step_s"] == summary["predicted_step_s"]
+    top = again["top_nodes"]["by_time"]
+    assert len(top) == 5 and top[0]["compute_s"] + top[0]["reshard_s"] >= top[-1]["compute_s"] + top[-1]["reshard_s"]
+    assert [g["layers"] for g in again["layers"]] == ["layers.0", "layers.1", "layers.2"] or \
+        any("-" in g["layers"] for g in again["layers"])
     table = autopar("show", str(out))
-    assert "memory per device" in table.stdout and "parameters by placement" in table.stdout
+    for heading in ("memory per device", "plan vs baselines", "parameter placements per layer",
+                    "top 5 nodes by time", "top 5 nodes by memory", "parameters by placement"):
+        assert heading in table.stdout, heading
 
 
 def test_plan_pt2_and_pt(tmp_path):

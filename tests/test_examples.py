@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,6 +19,28 @@ def test_gpt_planning_example(tmp_path):
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "memory per device" in done.stdout and out.exists()
+
+
+@pytest.mark.parametrize("script, args", [
+    ("examples/cnn.py", ["--batch", "16", "--image", "64"]),
+    ("examples/dlrm.py", ["--batch", "256"]),
+])
+def test_cnn_and_dlrm_planning_examples(tmp_path, script, args):
+    out = tmp_path / "plan.json"
+    done = subprocess.run([sys.executable, script, "--cluster", "8xH100", "--out", str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "plan vs baselines" in done.stdout and "top 5 nodes by time" in done.stdout and out.exists()
+
+
+def test_examples_plan_through_the_cli(tmp_path):
+    exe = os.path.join(os.path.dirname(sys.executable), "autopar")  # the console script beside this python
+    done = subprocess.run([exe, "plan", "examples.dlrm:build", "--cluster", "4xH100", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["baselines"]["ddp"]["feasible"]  # ids (tables, batch, bag) split on their batch dim
+    assert summary["predicted_step_s"] <= summary["baselines"]["ddp"]["predicted_step_s"] * (1 + 1e-9)
 
 
 @pytest.mark.distributed

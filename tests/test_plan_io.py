@@ -67,3 +67,14 @@ def test_plan_bytes_identical_across_processes_and_hash_seeds(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
+
+
+def test_layer_groups_merge_identical_consecutive_layers():
+    from autopar.report import layer_groups
+
+    with torch.device("meta"):
+        model = GPT(layers=4)
+    plan = autopar.plan(model, (torch.zeros(8, 16, dtype=torch.long, device="meta"),), cluster="4xH100")
+    groups = [g["layers"] for g in layer_groups(plan)]
+    assert "blocks.0-3" in groups  # identical layers get identical placements (they share variables)
+    assert groups.index("tok") < groups.index("blocks.0-3") < groups.index("head")

@@ -1,0 +1,190 @@
+"""The bad-input suite: every case gets a typed AutoparError whose message names the problem
+(and, where one exists, a fix), never a raw traceback. One table, so gaps are easy to see;
+CLI usage errors (exit code 2) are in test_cli.py, cluster-file line numbers in
+test_cluster_files.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import AutoparError, ErrorKind
+from models import MLP
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else x  # Python control flow on a tensor value
+
+
+class DynamicShape(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x[x[:, 0] > 0])  # output size depends on the data
+
+
+class Item(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) * float(x.max().item())
+
+
+class Unused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x
+
+
+class Lookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.emb(ids)
+
+
+def _plan(model, inputs, **options):
+    return lambda: autopar.plan(model, inputs, **options)
+
+
+def _mlp_plan(**options):
+    return _plan(MLP(), (torch.randn(8, 16),), **options)
+
+
+def _load(tmp_path, text: str | bytes):
+    def run():
+        path = tmp_path / "plan.json"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return autopar.load_plan(path)
+    return run
+
+
+def _valid_plan_text() -> str:
+    return autopar.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100").to_json()
+
+
+def _edit(change):
+    def text():
+        d = json.loads(_valid_plan_text())
+        change(d)
+        return json.dumps(d)
+    return text
+
+
+def _cluster_file(tmp_path, text: str):
+    def run():
+        path = tmp_path / "cluster.yaml"
+        path.write_text(text)
+        return autopar.plan(MLP(), (torch.randn(8, 16),), cluster=str(path))
+    return run
+
+
+X = torch.randn(8, 4)
+CASES = [
+    # (id, kind, message fragments, make the call: tmp_path -> callable)
+    ("data-dependent control flow", ErrorKind.UNTRACEABLE, ["test_bad_input_suite.py", "torch.where"],
+     lambda t: _plan(Branchy(), (X,))),
+    ("dynamic output shape", ErrorKind.UNTRACEABLE, ["cannot plan DynamicShape", "depends on the data",
+                                                     "test_bad_input_suite.py", "torch.where"],
+     lambda t: _plan(DynamicShape(), (X,))),
+    (".item() in forward", ErrorKind.UNTRACEABLE, ["cannot trace Item", ".item()"], lambda t: _plan(Item(), (X,))),
+    ("not a module", ErrorKind.BAD_INPUT, ["must be a torch.nn.Module", "function"],
+     lambda t: _plan(lambda x: x, (X,))),
+    ("module without parameters", ErrorKind.BAD_INPUT, ["has no parameters"], lambda t: _plan(nn.ReLU(), (X,))),
+    ("parameters never used", ErrorKind.BAD_INPUT, ["performs no tensor operations"], lambda t: _plan(Unused(), (X,))),
+    ("inputs as a dict", ErrorKind.BAD_INPUT, ["tuple of tensors", "dict"], lambda t: _plan(MLP(), {"x": X})),
+    ("non-tensor input", ErrorKind.BAD_INPUT, ["example input #1 is a int"], lambda t: _plan(MLP(), (X, 3))),
+    ("wrong input width", ErrorKind.UNTRACEABLE, ["cannot trace MLP"], lambda t: _plan(MLP(), (torch.randn(8, 15),))),
+    ("wrong input dtype", ErrorKind.UNTRACEABLE, ["cannot trace Lookup"],
+     lambda t: _plan(Lookup(), (torch.zeros(2, 3),))),
+    ("too many inputs", ErrorKind.UNTRACEABLE, ["cannot trace MLP"], lambda t: _plan(MLP(), (torch.randn(8, 16), X))),
+    ("empty cluster string", ErrorKind.BAD_CLUSTER, ["cannot parse cluster ''"], lambda t: _mlp_plan(cluster="")),
+    ("zero devices", ErrorKind.BAD_CLUSTER, ["0 devices"], lambda t: _mlp_plan(cluster="0xH100")),
+    ("unknown device", ErrorKind.BAD_CLUSTER, ["unknown device", "H1000"], lambda t: _mlp_plan(cluster="4xH1000")),
+    ("cluster of the wrong type", ErrorKind.BAD_CLUSTER, ["int"], lambda t: _mlp_plan(cluster=8)),
+    ("missing cluster file", ErrorKind.BAD_CLUSTER, ["nowhere.yaml"], lambda t: _mlp_plan(cluster="nowhere.yaml")),
+    ("memory limit 0", ErrorKind.BAD_CLUSTER, ["memory limit must be positive", "memory_limit="], lambda t: _mlp_plan(cluster="2xH100", memory_limit=0)),
+    ("negative memory limit", ErrorKind.BAD_CLUSTER, ["memory limit must be positive"], lambda t: _mlp_plan(cluster="2xH100", memory_limit=-1)),
+    ("memory limit too small", ErrorKind.INFEASIBLE_MEMORY, ["bytes over", "Fixes"],
+     lambda t: _mlp_plan(cluster="2xH100", memory_limit=1000)),
+    ("mesh not matching the devices", ErrorKind.BAD_INPUT, ["mesh_shape (3,)", "cluster has 4"],
+     lambda t: _mlp_plan(cluster="4xH100", mesh_shape=(3,))),
+    ("mesh with a zero dim", ErrorKind.BAD_INPUT, ["mesh_shape (0, 4)"],
+     lambda t: _mlp_plan(cluster="4xH100", mesh_shape=(0, 4))),
+    ("unknown solver", ErrorKind.BAD_INPUT, ["unknown solver 'gurobi'", "cpsat"],
+     lambda t: _mlp_plan(cluster="2xH100", solver="gurobi")),
+    ("unknown optimizer", ErrorKind.BAD_INPUT, ["unknown optimizer 'lamb'", "adamw"],
+     lambda t: _mlp_plan(cluster="2xH100", optimizer="lamb")),
+    ("time limit not positive", ErrorKind.BAD_INPUT, ["time_limit_s"],
+     lambda t: _mlp_plan(cluster="2xH100", time_limit_s=0)),
+    ("apply without a process group", ErrorKind.WORLD_MISMATCH, ["process group"],
+     lambda t: lambda: autopar.apply(MLP(), autopar.Plan.from_json(_valid_plan_text()))),
+    ("apply with a non-plan", ErrorKind.BAD_INPUT, ["needs an autopar.Plan", "dict"],
+     lambda t: lambda: autopar.apply(MLP(), {"mesh_shape": [2]})),
+    ("missing plan file", ErrorKind.BAD_PLAN, ["cannot read plan file"],
+     lambda t: lambda: autopar.load_plan(os.path.join(t, "absent.json"))),
+    ("truncated plan", ErrorKind.BAD_PLAN, ["not valid JSON", "byte"], lambda t: _load(t, _valid_plan_text()[:200])),
+    ("binary garbage", ErrorKind.BAD_PLAN, ["undecodable byte"], lambda t: _load(t, b"\xff\xfe\x00garbage")),
+    ("JSON that is not an object", ErrorKind.BAD_PLAN, ["holds a JSON list"], lambda t: _load(t, "[1, 2]")),
+    ("plan from a newer autopar", ErrorKind.BAD_PLAN, ["schema version 99", "upgrade autopar"],
+     lambda t: _load(t, _edit(lambda d: d.update(schema_version=99))())),
+    ("plan missing a field", ErrorKind.BAD_PLAN, ["'nodes'"], lambda t: _load(t, _edit(lambda d: d.pop("nodes"))())),
+    ("plan with a malformed node", ErrorKind.BAD_PLAN, ["not a complete autopar plan"],
+     lambda t: _load(t, _edit(lambda d: d["nodes"].update(bad={"op": "x"}))())),
+    ("cluster YAML with a wrong type", ErrorKind.BAD_CLUSTER, ["cluster.yaml:2", "`nodes`"],
+     lambda t: _cluster_file(t, "device: H100\nnodes: two\nper_node: 8\n")),
+    ("cluster YAML with negative bandwidth", ErrorKind.BAD_CLUSTER, ["bandwidth_GBps", "-1"],
+     lambda t: _cluster_file(t, "device: H100\nnodes: 2\nper_node: 8\ninter_node: {bandwidth_GBps: -1}\n")),
+    ("cluster YAML regions without a link", ErrorKind.BAD_CLUSTER, ["eu", "us", "link"],
+     lambda t: _cluster_file(t, "regions:\n  us: {device: H100, nodes: 1, per_node: 2}\n"
+                                "  eu: {device: H100, nodes: 1, per_node: 2}\n")),
+    ("cluster YAML that is a list", ErrorKind.BAD_CLUSTER, ["cluster.yaml"], lambda t: _cluster_file(t, "- 1\n- 2\n")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case, tmp_path):
+    _name, kind, fragments, make = case
+    with pytest.raises(AutoparError) as info:
+        make(str(tmp_path) if "plan file" in _name else tmp_path)()
+    assert info.value.kind == kind, str(info.value)
+    for fragment in fragments:
+        assert fragment in str(info.value), (fragment, str(info.value))
+
+
+def test_the_suite_is_large_enough():
+    assert len(CASES) >= 30
+
+
+def test_a_failed_save_leaves_the_old_plan_intact(tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+    plan = autopar.Plan.from_json(_valid_plan_text())
+    plan.save(path)
+    before = path.read_text()
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(os, "replace", broken)
+    with pytest.raises(OSError):
+        plan.save(path)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temp file left behind

@@ -23,6 +23,7 @@ from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
+from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
 from autopar.passes.strategies import enumerate_strategies
 from autopar.solvers import get_solver
@@ -39,6 +40,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                            f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
     start = time.perf_counter()
     annotate_costs(captured.graph)
+    annotate_saved(captured.graph)
     meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
     engine = get_solver(solver, time_limit_s=time_limit_s)
     repeated = find_repeated_layers(captured) if cluster_layers else {}

@@ -60,7 +60,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--cluster")
-    parser.add_argument("--batch", type=int, help="default: one sequence per device, at least 8")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="sequences per step (default 8: the decomposed attention keeps (T, T) "
+                             "tensors, so larger batches of long sequences do not fit the memory model)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -74,7 +76,7 @@ def main() -> None:
     rows = []
     for layers, hidden, heads, seq, vocab in grid:
         for cluster in clusters:
-            batch = args.batch or _devices(cluster)
+            batch = args.batch
             cmd = [sys.executable, __file__, "--one", "--layers", str(layers), "--hidden", str(hidden),
                    "--heads", str(heads), "--seq", str(seq), "--vocab", str(vocab), "--cluster", cluster,
                    "--batch", str(batch)]
@@ -96,11 +98,6 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "plan_time.json"), "w") as f:
         json.dump(rows, f, indent=1)
-
-
-def _devices(cluster: str) -> int:
-    import math
-    return max(8, math.prod(int(p) for p in cluster.split("x")[:-1]))
 
 
 if __name__ == "__main__":

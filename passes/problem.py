@@ -16,8 +16,8 @@ Costs of one training step, per device:
                is converted back to the producer's placement by the same table. This is also
                where data-parallel gradient all-reduce of a replicated parameter is paid.
   * memory: parameters + gradients + optimizer states (by their sharding), the user
-    inputs, and every non-view forward output (kept for backward) by its sharding.
-    Partial outputs count in full.
+    inputs, and the forward outputs autograd keeps for backward (passes.memory) by their
+    sharding. Partial outputs count in full.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from autopar.mesh import MeshSpec
 from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
+from autopar.passes.memory import SAVED_KEY
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, tensor_args, work_split)
 
@@ -86,9 +87,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             op_cost = node.meta[COST_KEY]
             cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape)) for s in options]
             outs = [v for v in _flat_vals(node)]
+            saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else sum(
-                tensor_bytes(v) // _shards(p, mesh.shape) for v, p in zip(outs, s.outputs)
-                if p is not None and isinstance(v, torch.Tensor)) for s in options]
+                tensor_bytes(v) // _shards(p, mesh.shape) for v, p, keep in zip(outs, s.outputs, saved)
+                if keep and p is not None and isinstance(v, torch.Tensor)) for s in options]
         else:
             continue
         position[node.name] = len(names)

@@ -44,6 +44,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
     engine = get_solver(solver, time_limit_s=time_limit_s)
     repeated = find_repeated_layers(captured) if cluster_layers else {}
+    repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
     prepared = []
     for order, mesh in enumerate(meshes):
         enumerate_strategies(captured.graph, mesh.shape, skip=repeated)

@@ -12,6 +12,7 @@ parameters and a structural fingerprint of the graph.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -39,6 +40,9 @@ class Captured:
     parameter_of: dict[str, str]  # placeholder name -> parameter FQN
     buffer_of: dict[str, str]  # placeholder name -> buffer or constant FQN
     fingerprint: str
+    # tied weights exported as several inputs: placeholder -> the first placeholder of the same
+    # tensor (they must be planned as one parameter)
+    tied: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -75,6 +79,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
         raise
     except Exception as exc:  # torch raises many types here; we translate them all
         raise _untraceable(model, exc) from exc
+    _drop_metadata_asserts(program)
     program.graph.eliminate_dead_code()
     _check_static_shapes(model, program)
     if not any(n.op == "call_function" for n in program.graph.nodes):
@@ -85,9 +90,37 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     inputs = [TensorSpec.of(name, placeholders[name].meta["val"]) for name in sig.user_inputs]
     buffer_of = dict(sig.inputs_to_buffers)
     buffer_of.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
-    captured = Captured(program, inputs, dict(sig.inputs_to_parameters), buffer_of, fingerprint(program.graph))
+    captured = Captured(program, inputs, dict(sig.inputs_to_parameters), buffer_of, fingerprint(program.graph),
+                        _tied(model, dict(sig.inputs_to_parameters)))
     log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
     return captured
+
+
+def _tied(model: nn.Module, parameter_of: dict[str, str]) -> dict[str, str]:
+    """Placeholders whose parameters are one tensor in ``model`` (e.g. an LM head tied to the
+    embedding), mapped to the first such placeholder."""
+    tensor_of = {fqn: id(p) for fqn, p in model.named_parameters(remove_duplicate=False)}
+    first: dict[int, str] = {}
+    tied = {}
+    for placeholder, fqn in parameter_of.items():
+        key = tensor_of.get(fqn)
+        if key is None:
+            continue
+        if key in first:
+            tied[placeholder] = first[key]
+        else:
+            first[key] = placeholder
+    return tied
+
+
+def _drop_metadata_asserts(program: torch.export.ExportedProgram) -> None:
+    """export keeps ``_assert_tensor_metadata`` checks (e.g. before a dtype cast in HF models):
+    they produce nothing, but as graph nodes they would pin their input to one placement."""
+    graph = program.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    program.graph_module.recompile()
 
 
 def _check_static_shapes(model: nn.Module, program: torch.export.ExportedProgram) -> None:

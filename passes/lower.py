@@ -46,12 +46,31 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) ->
 
 def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> None:
     source = dict(model.named_parameters())
+    # tied weights (an LM head sharing the embedding): export keeps one of the names, the
+    # unlifted module holds a separate copy under the other; every name gets the one DTensor
+    aliases: dict[int, list[str]] = {}
+    for name, value in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(value), []).append(name)
+    alias_of = {fqn: names for names in aliases.values() for fqn in names}
+    placed: dict[str, tuple[str, str]] = {}  # alias name -> (planned fqn, placement)
     for fqn, pplan in plan.parameters.items():
+        if fqn in placed:
+            first, placement = placed[fqn]
+            if placement != pplan.placement:
+                raise AutoparError(
+                    ErrorKind.UNSUPPORTED_OP,
+                    f"tied parameters {first} and {fqn} (one tensor) were captured as two inputs and planned "
+                    f"with different placements ({placement} vs {pplan.placement}); planning tied weights "
+                    "as one is not supported yet: untie them, or plan with mesh_shape=(1,) for now")
+            continue
+        placed.update({name: (fqn, pplan.placement) for name in alias_of.get(fqn, [fqn])})
         owner, attr = _owner(gm, fqn)
-        full = source[fqn].detach() if fqn in source else getattr(owner, attr).detach()
+        original = getattr(owner, attr)
+        full = source[fqn].detach() if fqn in source else original.detach()
         param = nn.Parameter(distribute_tensor(full, mesh, runtime.placements(pplan.placement)),
-                             requires_grad=getattr(owner, attr).requires_grad)
-        setattr(owner, attr, param)
+                             requires_grad=original.requires_grad)
+        for name in alias_of.get(fqn, [fqn]):
+            setattr(*_owner(gm, name), param)
         param.register_post_accumulate_grad_hook(_sync_grad)
     for name, value in list(gm.named_buffers()):
         owner, attr = _owner(gm, name)

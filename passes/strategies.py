@@ -33,7 +33,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
     _insert_single_dim_replication_strategy,
@@ -107,13 +107,18 @@ def _meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(val.shape, val.stride(), val.dtype)
 
 
-def _schema(node: torch.fx.Node, wrap) -> OpSchema:
+def _schema(node: torch.fx.Node, wrap, tensor_lists: bool = False) -> OpSchema:
+    """``tensor_lists``: a list of tensors becomes one TupleStrategy, as op strategy functions
+    (cat, stack) expect."""
     def convert(a):
         if isinstance(a, torch.fx.Node):
             v = a.meta.get("val")
             return wrap(v) if isinstance(v, torch.Tensor) else v
         if isinstance(a, (list, tuple)):
-            return type(a)(convert(x) for x in a)
+            items = type(a)(convert(x) for x in a)
+            if tensor_lists and items and all(isinstance(x, OpStrategy) for x in items):
+                return TupleStrategy(list(items))
+            return items
         return a
     return OpSchema(node.target, tuple(convert(a) for a in node.args), {k: convert(v) for k, v in node.kwargs.items()})
 
@@ -134,7 +139,7 @@ def _from_op_strategy(node, func, size) -> list[tuple]:
                            for p in leaf_candidates(val, partial=True) if evenly_sharded(val.shape, (p,), (size,))])
 
     try:
-        specs = list(getattr(func(_schema(node, candidates)), "strategies", []))
+        specs = list(getattr(func(_schema(node, candidates, tensor_lists=True)), "strategies", []))
     except Exception:
         if len(tensor_args(node)) != 1:
             raise

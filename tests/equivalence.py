@@ -31,9 +31,14 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
                dtype: str = "float32", steps: int = 3) -> dict:
     """Returns max abs errors of outputs, loss, grads and params after ``steps`` AdamW steps."""
     torch.manual_seed(0)
-    model = getattr(models, model_name)(**kwargs).to(getattr(torch, dtype))
+    if model_name.startswith("zoo:"):  # a third-party model with its own example inputs
+        import zoo
+        model, raw_inputs = zoo.build(model_name.removeprefix("zoo:"))
+    else:
+        model, raw_inputs = getattr(models, model_name)(**kwargs), _inputs(input_kind, batch)
+    model = model.to(getattr(torch, dtype))
     reference = copy.deepcopy(model)
-    inputs = tuple(x.to(getattr(torch, dtype)) if x.is_floating_point() else x for x in _inputs(input_kind, batch))
+    inputs = tuple(x.to(getattr(torch, dtype)) if x.is_floating_point() else x for x in raw_inputs)
     options = dict(options)
     fraction = options.pop("memory_fraction", None)
     if fraction is not None:  # squeeze memory below the unconstrained plan's footprint to force sharding
@@ -44,8 +49,9 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
         dist.broadcast_object_list(limit, src=0)
         options["memory_limit"] = limit[0]
     pmodel = autopar.parallelize(model, inputs, **options)
-    params = dict(pmodel.named_parameters())
-    ref_params = dict(reference.named_parameters())
+    params = dict(pmodel.named_parameters(remove_duplicate=False))  # tied weights under every name
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    assert set(params) == set(ref_params), set(params) ^ set(ref_params)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     errors = {"output": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
@@ -55,14 +61,21 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
         loss.backward()
         ref_loss.backward()
         errors["output"] = max(errors["output"], (out - ref_out).abs().max().item())
+        errors["output_scale"] = max(errors.get("output_scale", 0.0), ref_out.abs().max().item())
         errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()))
         for name, p in params.items():
             ref_grad = ref_params[name].grad
-            errors["grad"] = max(errors["grad"], (_full(p.grad) - ref_grad).abs().max().item())
+            if (p.grad is None) != (ref_grad is None):
+                errors.setdefault("missing_grad", []).append(name)
+                continue
+            if ref_grad is not None:
+                errors["grad"] = max(errors["grad"], (_full(p.grad) - ref_grad).abs().max().item())
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     for name, p in params.items():
-        errors["param"] = max(errors["param"], (_full(p.detach()) - ref_params[name].detach()).abs().max().item())
+        diff = (_full(p.detach()) - ref_params[name].detach()).abs().max().item()
+        if diff > errors["param"]:
+            errors["param"], errors["param_worst"] = diff, name
     errors["placements"] = sorted({str(tuple(p.placements)) for p in params.values()})
     errors["redistributes"] = pmodel.code.count("redistribute(")
     return errors

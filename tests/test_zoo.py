@@ -22,8 +22,9 @@ def test_plans_on_one_and_two_hosts(name):
     for cluster in ("8xH100", "2x8xH100"):
         plan = autopar.plan(model, inputs, cluster=cluster)
         assert plan.solver["status"] == "OPTIMAL", (name, cluster)
-        assert plan.predicted_step_s <= min(b["predicted_step_s"] for b in plan.baselines.values()
-                                            if b["feasible"]) * (1 + 1e-9)
+        feasible = [b["predicted_step_s"] for b in plan.baselines.values() if b["feasible"]]
+        # batch 4 on 8+ devices: the data-parallel baselines cannot split it, may all be infeasible
+        assert plan.predicted_step_s <= min(feasible, default=float("inf")) * (1 + 1e-9)
 
 
 def _cases(world: int) -> list:

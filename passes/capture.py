@@ -2,8 +2,9 @@
 
 Planning never runs the model: torch.export traces with fake tensors, so a model built on
 the ``meta`` device or under ``FakeTensorMode`` plans as well as a real one. We decompose to
-core ATen (passes.decompose: once per distinct op signature) because that is where DTensor's strategy registry and torch's FLOP formulas live
-(composite ops such as ``linear`` or SDPA have neither; see shared/notes/torch-2.13-findings).
+core ATen (passes.decompose: once per distinct op signature) because that is where DTensor's
+strategy registry and torch's FLOP formulas live (composite ops such as ``linear`` or SDPA
+have neither; see shared/notes/torch-2.13-findings).
 
 Writes nothing into ``node.meta`` beyond what export gives (``val``, ``nn_module_stack``,
 ``stack_trace``); returns a :class:`Captured` with the user-facing names of inputs and
@@ -40,9 +41,25 @@ class Captured:
     parameter_of: dict[str, str]  # placeholder name -> parameter FQN
     buffer_of: dict[str, str]  # placeholder name -> buffer or constant FQN
     fingerprint: str
-    # tied weights exported as several inputs: placeholder -> the first placeholder of the same
-    # tensor (they must be planned as one parameter)
-    tied: dict[str, str] = dataclasses.field(default_factory=dict)
+    # tied weights (an LM head sharing the embedding): every name of a shared parameter -> all
+    # its names, in the model's order; only parameters with more than one name
+    aliases: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def tied(self) -> dict[str, str]:
+        """Placeholders of one shared tensor exported as several inputs -> the first of them
+        (they must be planned as one parameter)."""
+        first: dict[tuple[str, ...], str] = {}
+        tied = {}
+        for placeholder, fqn in self.parameter_of.items():
+            group = self.aliases.get(fqn)
+            if group is None:
+                continue
+            if group in first:
+                tied[placeholder] = first[group]
+            else:
+                first[group] = placeholder
+        return tied
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -91,26 +108,16 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     buffer_of = dict(sig.inputs_to_buffers)
     buffer_of.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
     captured = Captured(program, inputs, dict(sig.inputs_to_parameters), buffer_of, fingerprint(program.graph),
-                        _tied(model, dict(sig.inputs_to_parameters)))
+                        _aliases(model))
     log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
     return captured
 
 
-def _tied(model: nn.Module, parameter_of: dict[str, str]) -> dict[str, str]:
-    """Placeholders whose parameters are one tensor in ``model`` (e.g. an LM head tied to the
-    embedding), mapped to the first such placeholder."""
-    tensor_of = {fqn: id(p) for fqn, p in model.named_parameters(remove_duplicate=False)}
-    first: dict[int, str] = {}
-    tied = {}
-    for placeholder, fqn in parameter_of.items():
-        key = tensor_of.get(fqn)
-        if key is None:
-            continue
-        if key in first:
-            tied[placeholder] = first[key]
-        else:
-            first[key] = placeholder
-    return tied
+def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    names: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+    return {fqn: tuple(group) for group in names.values() if len(group) > 1 for fqn in group}
 
 
 def _drop_metadata_asserts(program: torch.export.ExportedProgram) -> None:

@@ -37,21 +37,19 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) ->
                            f"plan was made for a different graph (fingerprint {plan.fingerprint}, this model "
                            f"captures as {captured.fingerprint}); re-plan this model")
     gm = captured.program.module()
-    _distribute_state(gm, plan, mesh, model)
+    _distribute_state(gm, plan, mesh, model, captured)
     setattr(gm, MESH_ATTR, mesh)
     _rewrite(gm, plan)
     gm.recompile()
     return gm
 
 
-def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> None:
+def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                      captured: Captured) -> None:
     source = dict(model.named_parameters())
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
-    aliases: dict[int, list[str]] = {}
-    for name, value in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(value), []).append(name)
-    alias_of = {fqn: names for names in aliases.values() for fqn in names}
+    alias_of = captured.aliases
     placed: dict[str, tuple[str, str]] = {}  # alias name -> (planned fqn, placement)
     for fqn, pplan in plan.parameters.items():
         if fqn in placed:

@@ -26,7 +26,8 @@ import operator
 
 import torch
 
-from autopar.passes.cost import COST_KEY, is_view_op
+from autopar.passes.cost import is_view_op
+from autopar.passes.strategies import output_vals, tensor_args
 
 SAVED_KEY = "autopar.saved"
 
@@ -43,16 +44,6 @@ _KEEPS_FIRST = {"where"}
 def _name(node: torch.fx.Node) -> str:
     packet = getattr(node.target, "overloadpacket", None)
     return packet.__name__ if packet is not None else getattr(node.target, "__name__", str(node.target))
-
-
-def _tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    flat, _ = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def _outputs(node: torch.fx.Node) -> list:
-    val = node.meta.get("val")
-    return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
 def annotate_saved(graph: torch.fx.Graph) -> None:
@@ -72,7 +63,7 @@ def annotate_saved(graph: torch.fx.Graph) -> None:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         name = _name(node)
-        outputs = _outputs(node)
+        outputs = output_vals(node)
         for k in range(1, len(outputs)):
             kept.add((node.name, k))
         if not any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in outputs):
@@ -80,15 +71,15 @@ def annotate_saved(graph: torch.fx.Graph) -> None:
         if name in _KEEPS_OUTPUT:
             kept.add((node.name, 0))
         elif name in _KEEPS_FIRST:
-            keep(_tensor_inputs(node)[0])
-        elif name not in _KEEPS_NOTHING and not (COST_KEY in node.meta and node.meta[COST_KEY].is_view):
-            for arg in _tensor_inputs(node):
+            keep(tensor_args(node)[0])
+        elif name not in _KEEPS_NOTHING and not is_view_op(node):
+            for arg in tensor_args(node):
                 keep(arg)
     for node in reversed(graph.nodes):  # a kept view keeps its base
         if (node.op == "call_function" and node.target is not operator.getitem and (node.name, 0) in kept
                 and is_view_op(node)):
-            for arg in _tensor_inputs(node)[:1]:
+            for arg in tensor_args(node)[:1]:
                 keep(arg)
     for node in graph.nodes:
         if node.op == "call_function":
-            node.meta[SAVED_KEY] = tuple((node.name, k) in kept for k in range(len(_outputs(node))))
+            node.meta[SAVED_KEY] = tuple((node.name, k) in kept for k in range(len(output_vals(node))))

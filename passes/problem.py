@@ -40,7 +40,8 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.strategies import (
-    FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, tensor_args, work_split)
+    FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, output_vals, tensor_args,
+    work_split)
 
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 OUTPUT = "<output>"
@@ -86,7 +87,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             factor = 3 if node.name in grad_nodes else 1
             op_cost = node.meta[COST_KEY]
             cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape)) for s in options]
-            outs = [v for v in _flat_vals(node)]
+            outs = output_vals(node)
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else sum(
                 tensor_bytes(v) // _shards(p, mesh.shape) for v, p, keep in zip(outs, s.outputs, saved)
@@ -134,7 +135,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             i = position[producer.name]
             key = (i, j, a, out_index, producer.name in grad_nodes, producer.name in weights)
             if key not in edge_at:
-                val = _flat_vals(producer)[out_index]
+                val = output_vals(producer)[out_index]
                 edge_at[key] = len(edges)
                 edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], val, key[4], key[5], mesh,
                                    follow=consumer is not None and _follows(consumer, a)))
@@ -145,11 +146,6 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback)
-
-
-def _flat_vals(node: torch.fx.Node) -> list:
-    val = node.meta.get("val")
-    return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
 def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
@@ -185,7 +181,7 @@ def _gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
     on_path = set(captured.parameter_of)
     for node in graph.nodes:
         if node.op == "call_function" and any(a.name in on_path for a in node.all_input_nodes):
-            vals = [v for v in _flat_vals(node) if isinstance(v, torch.Tensor)]
+            vals = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]
             if any(v.dtype.is_floating_point for v in vals):
                 on_path.add(node.name)
     return on_path
@@ -199,7 +195,7 @@ def _follows(node: torch.fx.Node, arg: int) -> bool:
     if node.meta[COST_KEY].is_view:
         return True
     args = tensor_args(node)
-    outs = [v for v in _flat_vals(node) if isinstance(v, torch.Tensor)]
+    outs = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]
     return len(args) == 1 and len(outs) == 1 and outs[0].numel() == args[0].meta["val"].numel()
 
 

@@ -107,16 +107,16 @@ def _meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(val.shape, val.stride(), val.dtype)
 
 
-def _schema(node: torch.fx.Node, wrap, tensor_lists: bool = False) -> OpSchema:
-    """``tensor_lists``: a list of tensors becomes one TupleStrategy, as op strategy functions
-    (cat, stack) expect."""
+def _schema(node: torch.fx.Node, wrap) -> OpSchema:
+    """A list of tensors wrapped as strategies becomes one TupleStrategy, as op strategy
+    functions (cat, stack) expect."""
     def convert(a):
         if isinstance(a, torch.fx.Node):
             v = a.meta.get("val")
             return wrap(v) if isinstance(v, torch.Tensor) else v
         if isinstance(a, (list, tuple)):
             items = type(a)(convert(x) for x in a)
-            if tensor_lists and items and all(isinstance(x, OpStrategy) for x in items):
+            if items and all(isinstance(x, OpStrategy) for x in items):
                 return TupleStrategy(list(items))
             return items
         return a
@@ -139,7 +139,7 @@ def _from_op_strategy(node, func, size) -> list[tuple]:
                            for p in leaf_candidates(val, partial=True) if evenly_sharded(val.shape, (p,), (size,))])
 
     try:
-        specs = list(getattr(func(_schema(node, candidates, tensor_lists=True)), "strategies", []))
+        specs = list(getattr(func(_schema(node, candidates)), "strategies", []))
     except Exception:
         if len(tensor_args(node)) != 1:
             raise
@@ -241,9 +241,7 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
                 cache[key] = one_dim_strategies(node, size)
             rules = cache[key]
             if rules is not None and node.target is not operator.getitem:
-                constant = node.name not in varying
-                rules = [r for r in rules if not any(p.startswith("P(" if not constant else "P") for p in r[1])
-                         and not (constant and any(p is not None and p.startswith("P") for p in r[0]))]
+                rules = [r for r in rules if _worth_planning(r, constant=node.name not in varying)]
             per_dim.append(rules)
         custom = node.target in DTensor._op_dispatcher._custom_op_handlers
         if any(rules is None for rules in per_dim):
@@ -255,6 +253,14 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
         if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
             strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
         node.meta[STRATEGIES_KEY] = strategies
+
+
+def _worth_planning(rule: tuple[tuple, tuple], constant: bool) -> bool:
+    """The two prunings of the module docstring, on one (outputs, inputs) rule of one mesh dim."""
+    outputs, inputs = rule
+    if constant:  # never partial
+        return not any(p is not None and p.startswith("P") for p in (*outputs, *inputs))
+    return not any(p.startswith("P(") for p in inputs)  # no non-sum partial inputs
 
 
 def _replicated(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:

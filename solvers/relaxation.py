@@ -64,6 +64,7 @@ class LpRelaxation:
         self.time_terms = [(var, objective.GetCoefficient(var)) for var in self.solver.variables()
                            if objective.GetCoefficient(var)]
         self.time_row = None  # created on first use by _least_memory
+        self._last = None  # (fixed, status code, x values, bound) of the latest first-stage solve
 
     def _edge(self, e, objective) -> None:
         src_members, dst_members = e.members()
@@ -94,11 +95,14 @@ class LpRelaxation:
         """``least_memory``: when integral, break ties in time by memory (a second LP)."""
         for i, s in fixed.items():
             self.x[i][s].SetLb(1.0)
-        self.solver.SetTimeLimit(int(time_limit_s * 1000))
-        code = self.solver.Solve()
-        values = [[var.solution_value() for var in row] for row in self.x] if code == pywraplp.Solver.OPTIMAL else []
-        bound = self.objective.Value() if code == pywraplp.Solver.OPTIMAL else float("-inf")
-        integral = code == pywraplp.Solver.OPTIMAL and _integral(values)
+        key = tuple(sorted(fixed.items()))
+        if self._last is not None and self._last[0] == key:  # lower_bound() then solve(): no re-solve
+            code, values, bound = self._last[1:]
+        else:
+            code, values = self._run(time_limit_s)
+            bound = self.objective.Value() if code == pywraplp.Solver.OPTIMAL else float("-inf")
+            self._last = (key, code, values, bound)
+        integral = values is not None and _integral(values)
         if integral and least_memory:
             values = self._least_memory(bound, time_limit_s) or values
         for i, s in fixed.items():  # only after reading the solution: a change discards it
@@ -121,12 +125,17 @@ class LpRelaxation:
                 self.time_row.SetCoefficient(var, c)
         self.time_row.SetUb(time_s * (1 + 1e-9) + 1e-15)
         self._set_objective(self.memory_terms)
-        self.solver.SetTimeLimit(int(time_limit_s * 1000))
-        code = self.solver.Solve()
-        values = [[var.solution_value() for var in row] for row in self.x] if code == pywraplp.Solver.OPTIMAL else None
+        _code, values = self._run(time_limit_s)
         self.time_row.SetUb(self.solver.infinity())
         self._set_objective(self.time_terms)
         return values if values is not None and _integral(values) else None
+
+    def _run(self, time_limit_s: float) -> tuple[int, list[list[float]] | None]:
+        """Solve as the model stands; x's values when optimal."""
+        self.solver.SetTimeLimit(int(time_limit_s * 1000))
+        code = self.solver.Solve()
+        values = [[var.solution_value() for var in row] for row in self.x] if code == pywraplp.Solver.OPTIMAL else None
+        return code, values
 
     def _set_objective(self, terms) -> None:
         self.objective.Clear()

@@ -9,6 +9,8 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.cluster import Cluster
 from autopar.plan import Plan, load_plan
 from autopar.api import apply, parallelize, plan
+from autopar.parallel import ParallelModule
 
-__all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "apply", "parallelize"]
+__all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "apply", "parallelize",
+           "ParallelModule"]
 __version__ = "0.1.0"

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -15,6 +17,7 @@ from torch import nn
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
+from autopar.parallel import ParallelModule
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -23,50 +26,94 @@ log = logging.getLogger(__name__)
 def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", *,
          memory_limit: float | None = None, optimizer: str = "adamw", solver: str = "cpsat",
          time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
-         cluster_layers: bool = True) -> Plan:
+         cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
+         schedule: str = "1F1B") -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
     much state each parameter carries (sgd 0, momentum 1, adam/adamw 2 copies).
     ``cluster_layers`` lets identical layers share decisions (smaller problem, same plan shape).
+    On a cluster with several device groups (regions), ``pipeline=None`` plans both one mesh
+    over every device and pipeline stages over the groups and keeps the faster;
+    ``True``/``False`` forces one. ``micro_batches`` pins the pipeline's micro-batch count.
     """
     from autopar.passes.capture import capture
-    from autopar.planner import make_plan
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     start = time.perf_counter()
     captured = capture(model, example_inputs)
     capture_s = time.perf_counter() - start
-    result = make_plan(captured, target, optimizer=optimizer, solver=solver,
-                       time_limit_s=time_limit_s, mesh_shape=mesh_shape, cluster_layers=cluster_layers)
+    result = _choose(model, example_inputs, target, captured, pipeline=pipeline, micro_batches=micro_batches,
+                     schedule=schedule, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
+                     mesh_shape=mesh_shape, cluster_layers=cluster_layers)
     result.timings["capture_s"] = capture_s
     return result
 
 
-def apply(model: nn.Module, plan: Plan) -> torch.fx.GraphModule:
+def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipeline: bool | None,
+            micro_batches: int | None, schedule: str, **options) -> Plan:
+    """One mesh over every device, pipeline stages over the device groups, or the faster of the two."""
+    from autopar.pipeline_planner import pipeline_ready, plan_pipeline
+    from autopar.planner import make_plan
+
+    reason = pipeline_ready(target)
+    if pipeline and reason:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"pipeline=True, but {target.describe()} cannot host stages: {reason}")
+    if pipeline is False or reason or options.get("mesh_shape"):
+        return make_plan(captured, target, **options)
+    uniform = None
+    if pipeline is None:
+        try:
+            uniform = make_plan(captured, target, **options)
+        except AutoparError as exc:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                raise
+    try:
+        staged = plan_pipeline(model, example_inputs, target, micro_batches=micro_batches, schedule=schedule,
+                               **{k: options[k] for k in ("optimizer", "solver", "time_limit_s") if k in options})
+    except AutoparError as exc:
+        if uniform is None or exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+            raise
+        return uniform
+    if uniform is None:
+        return staged
+    entry = {"uniform_mesh": {"predicted_step_s": uniform.predicted_step_s, "feasible": True},
+             "pipeline": {"predicted_step_s": staged.predicted_step_s, "feasible": True}}
+    staged = dataclasses.replace(staged, baselines={**uniform.baselines, **entry})
+    uniform = dataclasses.replace(uniform, baselines={**uniform.baselines, **entry})
+    return staged if staged.predicted_step_s < uniform.predicted_step_s else uniform
+
+
+def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:
     """Lower ``plan`` onto ``model`` inside an initialised process group of the plan's size.
 
-    Every rank calls the returned module with the same full inputs and gets full outputs.
+    Every rank calls the returned module with the same full inputs and gets full outputs;
+    ``pmodel.step(*inputs, target=t)`` trains with ``loss_fn(output, target)``.
     """
-    from autopar.passes.capture import capture
-
     if not isinstance(plan, Plan):
         raise AutoparError(ErrorKind.BAD_INPUT, f"apply() needs an autopar.Plan, got {type(plan).__name__}; "
                            "load one with autopar.load_plan(path)")
     _check_world(plan)
+    return _lower(_capture_for(model, plan), plan, model, loss_fn)
+
+
+def _capture_for(model: nn.Module, plan: Plan):
+    """Capture ``model`` on zeros shaped like the plan's inputs (one micro-batch for a pipeline)."""
+    from autopar.passes.capture import capture
+
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     inputs = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device) for spec in plan.inputs)
-    return _lower(capture(model, inputs), plan, model)
+    return capture(model, inputs)
 
 
-def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None" = None, **options) -> torch.fx.GraphModule:
+def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None" = None, *,
+                loss_fn: Callable | None = None, **options) -> ParallelModule:
     """Plan and apply in one call, inside a process group.
 
     ``cluster=None`` plans for the current world: one ``cpu`` device per rank. Rank 0 plans
-    and broadcasts the plan, so every rank runs the same one.
+    and broadcasts the plan, so every rank runs the same one. Options are :func:`plan`'s.
     """
     from autopar.passes.capture import capture
-    from autopar.planner import make_plan
 
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(ErrorKind.WORLD_MISMATCH,
@@ -77,13 +124,16 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
     payload = [None]
     if dist.get_rank() == 0:
         try:
-            payload[0] = make_plan(captured, target, **options).to_json()
+            payload[0] = _choose(model, example_inputs, target, captured, pipeline=options.pop("pipeline", None),
+                                 micro_batches=options.pop("micro_batches", None),
+                                 schedule=options.pop("schedule", "1F1B"), **options).to_json()
         except AutoparError as exc:  # every rank must learn about it, not only rank 0
             payload[0] = exc
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], AutoparError):
         raise payload[0]
-    return _lower(captured, Plan.from_json(payload[0]), model)
+    chosen = Plan.from_json(payload[0])
+    return _lower(_capture_for(model, chosen) if chosen.stages else captured, chosen, model, loss_fn)
 
 
 def _check_world(plan: Plan) -> None:
@@ -99,12 +149,17 @@ def _check_world(plan: Plan) -> None:
                            f"{plan.num_devices} processes")
 
 
-def _lower(captured, plan: Plan, model: nn.Module) -> torch.fx.GraphModule:
+def _lower(captured, plan: Plan, model: nn.Module, loss_fn: Callable | None) -> ParallelModule:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.passes.lower import lower
 
     _check_world(plan)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if plan.stages:
+        from autopar.passes.pipeline_lower import lower_pipeline
+
+        module, runtime = lower_pipeline(captured, plan, model, loss_fn, device_type)
+        return ParallelModule(module, plan, loss_fn, runtime)
     mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
-    return lower(captured, plan, mesh, model)
+    return ParallelModule(lower(captured, plan, mesh, model), plan, loss_fn)

@@ -99,16 +99,22 @@ def summary_json(plan) -> dict:
         "plan_time_s": plan.timings["plan_s"] if plan.timings else None,
         "predicted_step_s": plan.predicted_step_s,
         "devices": plan.num_devices,
-        "mesh": {"default": list(plan.mesh_shape)},
-        "stages": [{"devices": plan.num_devices, "mesh": list(plan.mesh_shape),
-                    "predicted_step_s": plan.predicted_step_s}],
-        "peak_memory_bytes": [plan.memory.total_bytes] * plan.num_devices,
+        "mesh": {"default": list(plan.mesh_shape), **{st.group: list(st.mesh_shape) for st in plan.stages}},
+        "stages": [{"devices": len(st.ranks), "mesh": list(st.mesh_shape), "predicted_step_s": st.compute_s,
+                    "group": st.group, "device": st.device, "layers": list(st.layers), "send_s": st.send_s,
+                    "in_flight": st.in_flight, "memory_bytes": st.memory.total_bytes} for st in plan.stages]
+        or [{"devices": plan.num_devices, "mesh": list(plan.mesh_shape), "predicted_step_s": plan.predicted_step_s}],
+        "micro_batches": plan.micro_batches,
+        "schedule": plan.schedule,
+        "bubble": plan.bubble,
+        "peak_memory_bytes": [st.memory.total_bytes for st in plan.stages for _ in st.ranks]
+        or [plan.memory.total_bytes] * plan.num_devices,
         "memory_limit_bytes": [limit] * plan.num_devices,
         "baselines": plan.baselines,
         "parameters": {fqn: {"placement": p.placement, "exchange": p.exchange} for fqn, p in plan.parameters.items()},
         "solver": {"status": plan.solver["status"].lower(), "objective": plan.solver["objective_s"],
-                   "bound": plan.solver["bound_s"], "solve_s": plan.timings["solve_s"] if plan.timings else None,
-                   "variables": plan.solver["variables"]},
+                   "bound": plan.solver["bound_s"], "solve_s": plan.timings.get("solve_s") if plan.timings else None,
+                   "variables": plan.solver.get("variables")},
         "predicted_compute_s": plan.predicted_compute_s,
         "predicted_comm_s": plan.predicted_comm_s,
         "top_nodes": top_nodes(plan),
@@ -122,7 +128,9 @@ def _cmd_plan(args) -> int:
 
     model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
     plan = autopar.plan(model, inputs, cluster=args.cluster, memory_limit=args.memory_limit,
-                        time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer)
+                        time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer,
+                        pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
+                        micro_batches=args.micro_batches, schedule=args.schedule)
     if args.output:
         plan.save(args.output)
     print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
@@ -217,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", default="cpsat")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
+    p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
+                   help="pipeline stages over the cluster's regions: auto keeps the faster of staged and one mesh")
+    p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: searched)")
+    p.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     p.add_argument("--json", action="store_true", help="print the machine-readable summary")

@@ -47,6 +47,10 @@ class Cluster:
     memory_limit_bytes: int
     host_regions: tuple[str, ...] = ()  # region of each host; empty = one region
     wan_links: tuple[tuple[str, str, Link], ...] = ()  # links between regions
+    # regions whose devices or links differ from the fields above, as homogeneous clusters
+    # of their own hosts; ``device`` and ``memory_limit_bytes`` are then the slowest and the
+    # smallest, what one uniform mesh over every device runs at
+    region_clusters: tuple[tuple[str, "Cluster"], ...] = ()
 
     @classmethod
     def from_spec(cls, spec: "str | Cluster", memory_limit_bytes: int | None = None) -> "Cluster":
@@ -127,10 +131,39 @@ class Cluster:
         links = [self.wan_link(a, b) for i, a in enumerate(regions) for b in regions[i + 1:]]
         return min(links, key=lambda link: (link.bandwidth_Bps, -link.latency_s))
 
+    def groups(self) -> list["DeviceGroup"]:
+        """Device groups a pipeline can put its stages on: the regions, in the file's order,
+        each a homogeneous cluster of its own hosts (one group when there are no regions)."""
+        if not self.host_regions:
+            return [DeviceGroup("default", self, tuple(range(self.num_devices)))]
+        own = dict(self.region_clusters)
+        found = []
+        for name in dict.fromkeys(self.host_regions):
+            hosts = [h for h in range(self.hosts) if self.host_regions[h] == name]
+            ranks = tuple(r for h in hosts for r in range(h * self.devices_per_host, (h + 1) * self.devices_per_host))
+            sub = own.get(name) or dataclasses.replace(self, hosts=len(hosts), host_regions=(), wan_links=(),
+                                                       region_clusters=())
+            found.append(DeviceGroup(name, sub, ranks))
+        return found
+
+    def link_between(self, a: "DeviceGroup", b: "DeviceGroup") -> Link:
+        """Link that point-to-point traffic between two groups crosses."""
+        return self.inter_link if a.name == b.name else self.wan_link(a.name, b.name)
+
     def describe(self) -> str:
         if self.host_regions and len(set(self.host_regions)) > 1:
             counts = {r: self.host_regions.count(r) for r in dict.fromkeys(self.host_regions)}
-            return " + ".join(f"{r}:{n}x{self.devices_per_host}x{self.device.name}" for r, n in counts.items())
+            device = {g.name: g.cluster.device.name for g in self.groups()}
+            return " + ".join(f"{r}:{n}x{self.devices_per_host}x{device[r]}" for r, n in counts.items())
         if self.hosts == 1:
             return f"{self.devices_per_host}x{self.device.name}"
         return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """Identical devices with fast links between them (a region): a pipeline stage's home."""
+
+    name: str
+    cluster: Cluster  # the group alone, as a homogeneous cluster
+    ranks: tuple[int, ...]  # global ranks, host-major

@@ -16,10 +16,12 @@ top level) is subtracted from each device's memory. Errors name the file, the li
 from __future__ import annotations
 
 
+import dataclasses
+
 import yaml
 
 from autopar.cluster import Cluster, Link
-from autopar.devices import get_device
+from autopar.devices import DeviceSpec, get_device
 from autopar.errors import AutoparError, ErrorKind
 
 GB = 10**9
@@ -75,22 +77,46 @@ def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) ->
         specs = {name: _region(spec, where, ("regions", name), data) for name, spec in regions.items()}
     else:
         specs = {"default": _region(data, where, (), {})}
-    devices = {s["device"].name for s in specs.values()}
     per_node = {s["per_node"] for s in specs.values()}
-    if len(devices) > 1 or len(per_node) > 1:
-        raise _fail(where("regions"), f"regions mix device kinds or node sizes ({sorted(devices)}, per_node "
-                    f"{sorted(per_node)}); planning over heterogeneous groups needs pipeline stages, "
-                    "which this version does not plan yet: use one device kind and node size")
+    if len(per_node) > 1:
+        raise _fail(where("regions"), f"regions have different node sizes (per_node {sorted(per_node)}); ranks "
+                    "are numbered host-major with one node size: give every region the same `per_node`")
     wan = _wan_links(data.get("links", []), specs, where)
-    first = next(iter(specs.values()))
-    reserve = max(s["reserve"] for s in specs.values())
-    memory = first["device"].memory_bytes - reserve
-    if memory <= 0:
-        raise _fail(where(), f"memory reservation {reserve} bytes leaves no memory on {first['device'].name}")
+    own = {}
+    for name, spec in specs.items():
+        memory = spec["device"].memory_bytes - spec["reserve"]
+        if memory <= 0:
+            raise _fail(where(*(("regions", name) if "regions" in data else ())),
+                        f"memory reservation {spec['reserve']} bytes leaves no memory on {spec['device'].name}")
+        own[name] = Cluster(device=spec["device"], hosts=spec["nodes"], devices_per_host=spec["per_node"],
+                            intra_link=spec["intra"], inter_link=spec["inter"], memory_limit_bytes=memory)
+    if len(own) == 1:
+        return next(iter(own.values()))
     host_regions = tuple(name for name, s in specs.items() for _ in range(s["nodes"]))
-    return Cluster(device=first["device"], hosts=len(host_regions), devices_per_host=first["per_node"],
-                   intra_link=first["intra"], inter_link=first["inter"], memory_limit_bytes=memory,
-                   host_regions=host_regions if len(specs) > 1 else (), wan_links=wan)
+    slowest = min(own.values(), key=lambda c: (c.device.flops_per_s("float32"), c.device.memory_bandwidth_Bps))
+    uniform = {(c.device.name, c.intra_link, c.inter_link, c.memory_limit_bytes) for c in own.values()}
+    return Cluster(device=_slowest_device([c.device for c in own.values()]), hosts=len(host_regions),
+                   devices_per_host=slowest.devices_per_host,
+                   intra_link=min((c.intra_link for c in own.values()), key=lambda link: link.bandwidth_Bps),
+                   inter_link=min((c.inter_link for c in own.values()), key=lambda link: link.bandwidth_Bps),
+                   memory_limit_bytes=min(c.memory_limit_bytes for c in own.values()),
+                   host_regions=host_regions, wan_links=wan,
+                   region_clusters=tuple(own.items()) if len(uniform) > 1 else ())
+
+
+def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
+    """What one uniform mesh over mixed devices runs at: every figure at its minimum
+    (a synchronous step waits for the slowest device)."""
+    if len({d.name for d in devices}) == 1:
+        return devices[0]
+    kinds = set.intersection(*(set(d.peak_flops) for d in devices))
+    return dataclasses.replace(
+        devices[0], name="mixed(" + ",".join(sorted({d.name for d in devices})) + ")",
+        peak_flops={k: min(d.peak_flops[k] for d in devices) for k in kinds},
+        memory_bytes=min(d.memory_bytes for d in devices),
+        memory_bandwidth_Bps=min(d.memory_bandwidth_Bps for d in devices),
+        compute_efficiency=min(d.compute_efficiency for d in devices),
+        memory_efficiency=min(d.memory_efficiency for d in devices), aliases=())
 
 
 def _region(spec, where, key: tuple, _root) -> dict:

@@ -26,13 +26,14 @@ class ErrorKind(str, enum.Enum):
 class AutoparError(Exception):
     """An error the user can act on; ``kind`` says which family it belongs to."""
 
-    def __init__(self, kind: ErrorKind, message: str) -> None:
+    def __init__(self, kind: ErrorKind, message: str, needed_bytes: int | None = None) -> None:
         self.kind = ErrorKind(kind)
         self.message = message
+        self.needed_bytes = needed_bytes  # INFEASIBLE_MEMORY: least bytes per device any plan needs
         super().__init__(f"[{self.kind.value}] {message}")
 
     def __reduce__(self):  # picklable, so rank 0 can broadcast a planning error to every rank
-        return (type(self), (self.kind, self.message))
+        return (type(self), (self.kind, self.message, self.needed_bytes))
 
 
 # Short aliases so callers can write ``AutoparError.UNTRACEABLE`` like an enum member.

@@ -68,6 +68,7 @@ class NodePlan:
     # {"outputs", "inputs", "compute_s", "reshard_s", "memory_delta_bytes"}
     alternatives: tuple[dict, ...] = ()
     memory_bytes: int = 0  # per device: this node's outputs kept for backward, as placed
+    stage: int = 0  # pipeline stage the node runs in (its placements refer to that stage's mesh)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,32 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: a contiguous range of layers on one device group with its own mesh.
+
+    Times are per micro-batch (forward + backward, with the stage's own collectives);
+    ``send_s`` moves its boundary outputs to the next stage and their gradients back
+    (bandwidth and latency; it overlaps the next micro-batch's compute).
+    """
+
+    group: str
+    device: str
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    layers: tuple[str, ...]
+    compute_s: float
+    send_s: float
+    in_flight: int  # micro-batches whose activations the stage holds at once (1F1B: stages after it + 1)
+    memory: MemoryBreakdown
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StagePlan":
+        return cls(d["group"], d["device"], tuple(d["ranks"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
+                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]))
+
+
+@dataclass(frozen=True)
 class Plan:
     fingerprint: str
     cluster: dict[str, Any]
@@ -107,6 +134,13 @@ class Plan:
     mesh_candidates: tuple[dict[str, Any], ...]
     options: dict[str, Any]
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> predicted_step_s, feasible
+    # pipeline: stages in order (empty = one stage over the whole mesh), micro-batches per
+    # step, schedule ("1F1B", "GPipe") and the predicted idle fraction (p−1)/(m+p−1);
+    # ``inputs`` then describe one micro-batch
+    stages: tuple[StagePlan, ...] = ()
+    micro_batches: int = 1
+    schedule: str | None = None
+    bubble: float = 0.0
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -145,13 +179,16 @@ class Plan:
                 mesh_shape=tuple(d["mesh_shape"]), mesh_dim_names=tuple(d["mesh_dim_names"]),
                 inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
                 nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"],
-                                   v["reshard_s"], tuple(v["alternatives"]), v.get("memory_bytes", 0))
+                                   v["reshard_s"], tuple(v["alternatives"]), v.get("memory_bytes", 0),
+                                   v.get("stage", 0))
                        for k, v in d["nodes"].items()},
                 parameters={k: ParameterPlan(**v) for k, v in d["parameters"].items()},
                 buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],
                 predicted_compute_s=d["predicted_compute_s"], predicted_comm_s=d["predicted_comm_s"],
                 memory=MemoryBreakdown(**d["memory"]), solver=d["solver"],
                 mesh_candidates=tuple(d["mesh_candidates"]), options=d["options"], baselines=d["baselines"],
+                stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
+                micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:

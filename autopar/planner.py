@@ -34,13 +34,19 @@ log = logging.getLogger(__name__)
 
 def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw", solver: str = "cpsat",
               time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
-              cluster_layers: bool = True) -> Plan:
+              cluster_layers: bool = True, activation_copies: int = 1, baselines: bool = True,
+              annotate: bool = True) -> Plan:
+    """The best intra-operator plan of ``captured`` over ``cluster``'s devices. A pipeline stage
+    is planned the same way on its own group: ``activation_copies`` micro-batches in flight,
+    and ``baselines=False`` skips costing the hand-written configurations; ``annotate=False``
+    keeps the cost and saved-activation annotations its nodes already carry."""
     if optimizer not in OPTIMIZER_STATES:
         raise AutoparError(ErrorKind.BAD_INPUT,
                            f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
     start = time.perf_counter()
-    annotate_costs(captured.graph)
-    annotate_saved(captured.graph)
+    if annotate:
+        annotate_costs(captured.graph)
+        annotate_saved(captured.graph)
     meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
     engine = get_solver(solver, time_limit_s=time_limit_s)
     repeated = find_repeated_layers(captured) if cluster_layers else {}
@@ -49,22 +55,22 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     for order, mesh in enumerate(meshes):
         enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                       repeated)
+                                       repeated, activation_copies)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
     prepare_s = time.perf_counter() - start
     best = None
     candidates: dict[int, dict] = {}
     lower_bounds = []
-    baselines: dict[str, dict] = {}
+    found_baselines: dict[str, dict] = {}
     for bound, order, mesh, problem, index in sorted(prepared, key=lambda p: p[:2]):
-        rules = BASELINES if len(mesh.shape) == 1 else BASELINES_2D
+        rules = (BASELINES if len(mesh.shape) == 1 else BASELINES_2D) if baselines else {}
         found, hint = _baselines(problem, index, engine, _megatron_roles(captured, index), _batch_dims(captured, index),
                                  rules)
         for name, entry in found.items():  # each baseline keeps its best mesh
-            old = baselines.get(name)
+            old = found_baselines.get(name)
             if old is None or entry["feasible"] and (not old["feasible"] or
                                                      entry["predicted_step_s"] < old["predicted_step_s"]):
-                baselines[name] = entry
+                found_baselines[name] = entry
         if best is not None and bound >= best[2].objective_s * (1 - 1e-9):
             # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
@@ -80,12 +86,12 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
         if best is None or solution.objective_s < best[2].objective_s * (1 - 1e-9):
             best = (mesh, problem, solution, index)
     candidates = [candidates[k] for k in sorted(candidates)]
-    for name in (*BASELINES, *BASELINES_2D):  # e.g. no 2-D mesh on this cluster
-        baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
+    for name in (*BASELINES, *BASELINES_2D) if baselines else ():  # e.g. no 2-D mesh on this cluster
+        found_baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
     mesh, problem, solution, index = best
-    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, baselines)
+    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, found_baselines)
     plan_s = time.perf_counter() - start
     object.__setattr__(plan, "timings", {"plan_s": plan_s, "prepare_s": prepare_s, "solve_s": solution.solve_s,
                                          "solve_total_s": plan_s - prepare_s})
@@ -182,7 +188,8 @@ def _infeasible(cluster: Cluster, needed: int, candidates) -> AutoparError:
         f"{needed} bytes ({format_bytes(needed)}) per device, each device has {limit} bytes "
         f"({format_bytes(limit)}); {max(needed - limit, 0)} bytes over (meshes tried: "
         f"{[c['mesh_shape'] for c in candidates]}). Fixes: 1) more devices, 2) a smaller batch, "
-        "3) a larger memory_limit or devices with more memory, 4) an optimizer with less state (sgd)")
+        "3) a larger memory_limit or devices with more memory, 4) an optimizer with less state (sgd)",
+        needed_bytes=needed)
 
 
 _ALTERNATIVES = 4
@@ -272,3 +279,34 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines,
     )
+
+
+def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "adamw") -> tuple[float, int]:
+    """Predicted step time and per-device memory of ``plan``'s placements on another
+    ``cluster`` with as many devices (e.g. a plan made without knowing a slow WAN link, costed
+    on the real one). Every node keeps its planned strategy; raises BAD_PLAN if a placement is
+    not one the model offers on that mesh."""
+    if plan.stages:
+        raise AutoparError(ErrorKind.BAD_PLAN, "re-costing pipeline plans is not supported yet; re-plan instead")
+    mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
+    annotate_costs(captured.graph)
+    annotate_saved(captured.graph)
+    enumerate_strategies(captured.graph, mesh.shape)
+    problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer)
+    choice = []
+    for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
+        options = index.strategies[q]
+        if kind == "param":
+            wanted = plan.parameters[captured.parameter_of[name]].placement
+            match = [t for t, s in enumerate(options) if _joined(s.outputs[0]) == wanted]
+        elif kind == "buffer" or kind == "output":
+            match = [0]
+        else:
+            node = plan.nodes[name]
+            match = [t for t, s in enumerate(options) if tuple(_joined(p) for p in s.outputs) == node.outputs
+                     and tuple(_joined(p) for p in s.inputs) == node.inputs]
+        if not match:
+            raise AutoparError(ErrorKind.BAD_PLAN, f"node {name}: its planned placement is not available on mesh "
+                               f"{list(mesh.shape)} of {cluster.describe()}")
+        choice.append(match[0])
+    return problem.evaluate(choice), problem.memory(choice)

@@ -22,7 +22,8 @@ def summary(plan: Plan) -> str:
                   f"{list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver {plan.solver['status']}{timing}")
     console.print(f"predicted step {format_seconds(plan.predicted_step_s)} = compute "
                   f"{format_seconds(plan.predicted_compute_s)} + communication {format_seconds(plan.predicted_comm_s)}")
-    memory = Table(title=f"memory per device, and time (all {plan.num_devices} devices run the same program)")
+    memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
+                   f"memory per device, and time (all {plan.num_devices} devices run the same program)")
     for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use", "compute", "comm"):
         memory.add_column(column, justify="right")
     m = plan.memory
@@ -32,6 +33,12 @@ def summary(plan: Plan) -> str:
                    f"{100 * m.total_bytes / limit:.1f}%", format_seconds(plan.predicted_compute_s),
                    format_seconds(plan.predicted_comm_s))
     console.print(memory)
+    if plan.stages:
+        console.print(_stages_table(plan))
+        console.print(f"{plan.schedule} timeline, one step ({plan.micro_batches} micro-batches; digits: forward of "
+                      "that micro-batch, letters: backward (a = 0), '.' idle)")
+        for line in pipeline_timeline(plan):
+            console.print(line, markup=False, highlight=False)
     console.print(_baselines_table(plan))
     console.print(_layers_table(plan))
     for title, rows in top_nodes(plan).items():
@@ -56,6 +63,71 @@ def summary(plan: Plan) -> str:
     if ops:
         console.print(f"ops run replicated (no DTensor rule): {dict(ops)}")
     return out.getvalue()
+
+
+def _stages_table(plan: Plan) -> Table:
+    table = Table(title=f"pipeline: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, {plan.schedule}, "
+                        f"bubble {100 * plan.bubble:.1f}%")
+    for column in ("stage", "group", "devices", "mesh", "layers", "compute/mb", "send/mb", "in flight", "memory"):
+        table.add_column(column)
+    for k, st in enumerate(plan.stages):
+        layers = f"{st.layers[0]} … {st.layers[-1]} ({len(st.layers)})" if len(st.layers) > 1 else st.layers[0]
+        table.add_row(str(k), st.group, f"{len(st.ranks)}x{st.device}", str(list(st.mesh_shape)), layers,
+                      format_seconds(st.compute_s), format_seconds(st.send_s), str(st.in_flight),
+                      format_bytes(st.memory.total_bytes))
+    return table
+
+
+def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
+    """One row per stage: when it runs which micro-batch's forward (digit) or backward
+    (letter), simulated from the predicted stage and send times (backward = 2× forward).
+
+    1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
+    backward, then drains; GPipe: all forwards, then all backwards.
+    """
+    p, m = len(plan.stages), plan.micro_batches
+    fwd = [st.compute_s / 3 for st in plan.stages]
+    bwd = [2 * st.compute_s / 3 for st in plan.stages]
+    send = [st.send_s / 2 for st in plan.stages]  # one way
+    orders = []
+    for s in range(p):
+        warm = m if plan.schedule == "GPipe" else min(p - s - 1, m)
+        order = [("F", i) for i in range(warm)]
+        for i in range(warm, m):
+            order += [("F", i), ("B", i - warm)]
+        order += [("B", i) for i in range(m - warm if plan.schedule != "GPipe" else 0, m)]
+        orders.append(order)
+    done: dict[tuple[str, int, int], float] = {}
+    spans: list[list[tuple[float, float, str]]] = [[] for _ in range(p)]
+    clock, position = [0.0] * p, [0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            if position[s] == len(orders[s]):
+                continue
+            kind, i = orders[s][position[s]]
+            need = ("F", s - 1, i) if kind == "F" and s > 0 else ("B", s + 1, i) if kind == "B" and s < p - 1 else None
+            if need is not None and need not in done:
+                continue
+            ready = done[need] + send[need[1]] if need is not None and kind == "F" else \
+                done[need] + send[s] if need is not None else 0.0
+            start = max(clock[s], ready)
+            end = start + (fwd[s] if kind == "F" else bwd[s])
+            done[(kind, s, i)] = clock[s] = end
+            spans[s].append((start, end, str(i % 10) if kind == "F" else chr(ord("a") + i % 26)))
+            position[s] += 1
+            progressed = True
+        if not progressed:  # cannot happen for these schedules; guard against an endless loop
+            break
+    total = max(clock) or 1.0
+    rows = []
+    for s, st in enumerate(plan.stages):
+        cells = ["."] * width
+        for start, end, mark in spans[s]:
+            for c in range(int(start / total * width), max(int(start / total * width) + 1, int(end / total * width))):
+                cells[min(c, width - 1)] = mark
+        rows.append(f"stage {s} {st.group:>10} |{''.join(cells)}|")
+    return rows
 
 
 _TOP = 5

@@ -44,6 +44,10 @@ class Captured:
     # tied weights (an LM head sharing the embedding): every name of a shared parameter -> all
     # its names, in the model's order; only parameters with more than one name
     aliases: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # a pipeline stage's piece of the graph (passes.stages) instead of the whole program's,
+    # and its boundary inputs that carry gradients back to the previous stage
+    stage_graph: torch.fx.Graph | None = None
+    grad_inputs: frozenset[str] = frozenset()
 
     @property
     def tied(self) -> dict[str, str]:
@@ -63,7 +67,7 @@ class Captured:
 
     @property
     def graph(self) -> torch.fx.Graph:
-        return self.program.graph
+        return self.program.graph if self.stage_graph is None else self.stage_graph
 
 
 def normalize_inputs(example_inputs) -> tuple:

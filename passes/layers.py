@@ -38,8 +38,7 @@ def _layer_of(node: torch.fx.Node, captured: Captured) -> tuple[str, str] | None
     return None
 
 
-def find_repeated_layers(captured: Captured) -> dict[str, str]:
-    """Map each node of a repeated layer to the matching node of the first identical layer."""
+def _members(captured: Captured) -> tuple[dict[str, list[torch.fx.Node]], dict[str, str]]:
     members: dict[str, list[torch.fx.Node]] = defaultdict(list)
     local: dict[str, str] = {}
     for node in captured.graph.nodes:
@@ -47,6 +46,18 @@ def find_repeated_layers(captured: Captured) -> dict[str, str]:
         if found:
             members[found[0]].append(node)
             local[node.name] = found[1]
+    return members, local
+
+
+def layer_signatures(captured: Captured) -> dict[str, tuple]:
+    """A hashable signature per layer: equal signatures, identical layers."""
+    members, local = _members(captured)
+    return {layer: _signature(nodes, local) for layer, nodes in members.items()}
+
+
+def find_repeated_layers(captured: Captured) -> dict[str, str]:
+    """Map each node of a repeated layer to the matching node of the first identical layer."""
+    members, local = _members(captured)
     families: dict[str, list[str]] = defaultdict(list)
     for layer in members:
         families[layer.rsplit(".", 1)[0]].append(layer)

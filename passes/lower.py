@@ -37,21 +37,33 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) ->
                            f"plan was made for a different graph (fingerprint {plan.fingerprint}, this model "
                            f"captures as {captured.fingerprint}); re-plan this model")
     gm = captured.program.module()
-    _distribute_state(gm, plan, mesh, model, captured)
-    setattr(gm, MESH_ATTR, mesh)
-    _rewrite(gm, plan)
-    gm.recompile()
+    lower_module(gm, [spec.name for spec in plan.inputs], plan, mesh, model, captured)
     return gm
 
 
+def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                 captured: Captured, sync_on_accumulate: bool = True) -> None:
+    """Rewrite ``gm`` (the whole model, or one pipeline stage) in place for ``mesh``.
+    ``input_names``: the plan's node for each placeholder, in order. Without
+    ``sync_on_accumulate`` the caller brings gradients to their placements itself
+    (:func:`sync_grad`, once after all micro-batches)."""
+    _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate)
+    setattr(gm, MESH_ATTR, mesh)
+    _rewrite(gm, plan, input_names)
+    gm.recompile()
+
+
 def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                      captured: Captured) -> None:
+                      captured: Captured, sync_on_accumulate: bool) -> None:
     source = dict(model.named_parameters())
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
     alias_of = captured.aliases
     placed: dict[str, tuple[str, str]] = {}  # alias name -> (planned fqn, placement)
+    owned = {name for name, _ in gm.named_parameters(remove_duplicate=False)}  # a stage holds only its own
     for fqn, pplan in plan.parameters.items():
+        if fqn not in owned:
+            continue
         if fqn in placed:
             first, placement = placed[fqn]
             if placement != pplan.placement:
@@ -69,7 +81,8 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
                              requires_grad=original.requires_grad)
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
-        param.register_post_accumulate_grad_hook(_sync_grad)
+        if sync_on_accumulate:
+            param.register_post_accumulate_grad_hook(sync_grad)
     for name, value in list(gm.named_buffers()):
         owner, attr = _owner(gm, name)
         owner._buffers[attr] = distribute_tensor(value, mesh, runtime.placements(",".join(["R"] * mesh.ndim)))
@@ -79,7 +92,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
             setattr(gm, name, runtime.replicate_constant(value, mesh))
 
 
-def _sync_grad(param: nn.Parameter) -> None:
+def sync_grad(param: nn.Parameter) -> None:
     """Bring an accumulated gradient (e.g. a partial sum) to the parameter's own placement."""
     grad = param.grad
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
@@ -91,7 +104,7 @@ def _owner(gm: nn.Module, fqn: str) -> tuple[nn.Module, str]:
     return (gm.get_submodule(path) if path else gm), attr
 
 
-def _rewrite(gm: torch.fx.GraphModule, plan: Plan) -> None:
+def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> None:
     graph = gm.graph
     first = next(iter(graph.nodes))
     with graph.inserting_before(first), warnings.catch_warnings():
@@ -99,8 +112,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan) -> None:
         mesh_node = graph.get_attr(MESH_ATTR)
     produced: dict[str, str | None] = {}  # node name -> placement it carries at run time
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    for node, spec in zip(user_inputs, plan.inputs):
-        planned = plan.nodes[spec.name].outputs[0]
+    for node, name in zip(user_inputs, input_names, strict=True):
+        planned = plan.nodes[name].outputs[0]
         new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
         produced[new.name] = planned
     replicated = ",".join(["R"] * len(plan.mesh_shape))

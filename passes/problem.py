@@ -60,10 +60,11 @@ class ProblemIndex:
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
-                  optimizer: str = "adamw", repeated: dict[str, str] | None = None
+                  optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1
                   ) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
-    only representatives become problem nodes, and identical edges are merged with a count."""
+    only representatives become problem nodes, and identical edges are merged with a count.
+    ``activation_copies``: micro-batches whose activations a pipeline stage holds at once."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
@@ -79,7 +80,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
             options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((("R",) * len(mesh.shape),), ())]
-            copies = 2 + states if kind == "param" else 1
+            copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
             mem = [copies * tensor_bytes(val) // _shards(s.outputs[0], mesh.shape) for s in options]
             cost = [0.0] * len(options)
         elif node.op == "call_function":
@@ -89,7 +90,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape)) for s in options]
             outs = output_vals(node)
             saved = node.meta[SAVED_KEY]
-            mem = [0 if op_cost.is_view else sum(
+            mem = [0 if op_cost.is_view else activation_copies * sum(
                 tensor_bytes(v) // _shards(p, mesh.shape) for v, p, keep in zip(outs, s.outputs, saved)
                 if keep and p is not None and isinstance(v, torch.Tensor)) for s in options]
         else:
@@ -178,7 +179,7 @@ def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
 
 def _gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
     """Nodes whose floating-point output depends on a parameter (they get a backward)."""
-    on_path = set(captured.parameter_of)
+    on_path = set(captured.parameter_of) | set(captured.grad_inputs)
     for node in graph.nodes:
         if node.op == "call_function" and any(a.name in on_path for a in node.all_input_nodes):
             vals = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]

@@ -7,7 +7,7 @@ by name, e.g. ``redistribute(addmm, self._autopar_mesh, 'R,S(1)')``.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._redistribute import Redistribute
 from torch.utils._pytree import tree_map
 
@@ -19,8 +19,10 @@ def placements(spec: str) -> tuple:
 
 
 def distribute_input(x: torch.Tensor, mesh, spec: str) -> DTensor:
-    """A full input that every rank holds -> DTensor; each rank slices its shard, no communication."""
-    return distribute_tensor(x, mesh, placements(spec), src_data_rank=None)
+    """A full input that every rank holds -> DTensor; each rank slices its shard, no
+    communication. Differentiable: a pipeline stage's input gets its gradient back."""
+    replicated = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, placements(spec))
 
 
 def redistribute(x: DTensor, mesh, spec: str) -> DTensor:
@@ -56,3 +58,18 @@ def local_call(op, mesh, *args, **kwargs):
 
     out = op(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
     return tree_map(lambda t: replicate_constant(t, mesh), out)
+
+
+def send_slice(x: torch.Tensor, lanes, dim: int) -> torch.Tensor:
+    """A stage's full boundary output -> this lane's slice of ``dim`` (sent to the same lane of
+    the next stage), so each value crosses the link between groups once. Backward gathers the
+    gradient slices of every lane back into the full gradient."""
+    whole = DTensor.from_local(x, lanes, [Replicate()], run_check=False)
+    return whole.redistribute(lanes, [Shard(dim)]).to_local()
+
+
+def receive_slice(x: torch.Tensor, lanes, dim: int) -> torch.Tensor:
+    """The slice this lane received -> the full boundary input (an all-gather inside the
+    receiving group). Backward keeps this lane's slice of the (replicated) gradient."""
+    part = DTensor.from_local(x, lanes, [Shard(dim)], run_check=False)
+    return part.redistribute(lanes, [Replicate()]).to_local()

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 STRATEGIES_KEY = "autopar.strategies"
 FALLBACK_KEY = "autopar.fallback"
+MEMO_KEY = "autopar.strategy_memo"  # {(mesh shape, constant): (fallback, strategies)}, opt-in
 
 _warned_ops: set[str] = set()
 
@@ -234,25 +235,39 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
             varying.add(node.name)
         if node.name in skip:
             continue
-        per_dim = []
-        for size in mesh_shape:
-            key = _cache_key(node, size)
-            if key not in cache:
-                cache[key] = one_dim_strategies(node, size)
-            rules = cache[key]
-            if rules is not None and node.target is not operator.getitem:
-                rules = [r for r in rules if _worth_planning(r, constant=node.name not in varying)]
-            per_dim.append(rules)
-        custom = node.target in DTensor._op_dispatcher._custom_op_handlers
-        if any(rules is None for rules in per_dim):
-            _warn_fallback(node)
-            node.meta[FALLBACK_KEY] = True
-            node.meta[STRATEGIES_KEY] = [_replicated(node, mesh_shape)]
+        memo = node.meta.get(MEMO_KEY)  # shared by this node's copies in pipeline-stage graphs
+        memo_key = (tuple(mesh_shape), node.name not in varying)
+        if memo is not None and memo_key in memo:
+            fallback, node.meta[STRATEGIES_KEY] = memo[memo_key]
+            if fallback:
+                node.meta[FALLBACK_KEY] = True
             continue
-        strategies = _combine(node, per_dim, mesh_shape)
-        if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
-            strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
-        node.meta[STRATEGIES_KEY] = strategies
+        _enumerate_node(node, mesh_shape, node.name not in varying, cache)
+        if memo is not None:
+            memo[memo_key] = (node.meta.get(FALLBACK_KEY, False), node.meta[STRATEGIES_KEY])
+
+
+def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: bool, cache: dict) -> None:
+    """Strategies of one node on ``mesh_shape`` (``cache``: one-dim rules by op signature)."""
+    per_dim = []
+    for size in mesh_shape:
+        key = _cache_key(node, size)
+        if key not in cache:
+            cache[key] = one_dim_strategies(node, size)
+        rules = cache[key]
+        if rules is not None and node.target is not operator.getitem:
+            rules = [r for r in rules if _worth_planning(r, constant=constant)]
+        per_dim.append(rules)
+    custom = node.target in DTensor._op_dispatcher._custom_op_handlers
+    if any(rules is None for rules in per_dim):
+        _warn_fallback(node)
+        node.meta[FALLBACK_KEY] = True
+        node.meta[STRATEGIES_KEY] = [_replicated(node, mesh_shape)]
+        return
+    strategies = _combine(node, per_dim, mesh_shape)
+    if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
+        strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
+    node.meta[STRATEGIES_KEY] = strategies
 
 
 def _worth_planning(rule: tuple[tuple, tuple], constant: bool) -> bool:

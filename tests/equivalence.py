@@ -103,5 +103,21 @@ def check_contract() -> dict:
         result["mismatch"] = f"{exc.kind.value}: {exc.message}"
     pmodel = autopar.parallelize(model, (torch.randn(64, 16),), cluster="2xH100")
     result["code"] = pmodel.code
-    result["is_graph_module"] = isinstance(pmodel, torch.fx.GraphModule)
+    result["is_parallel_module"] = isinstance(pmodel, autopar.ParallelModule)
+    # one training API: step() is loss_fn(pmodel(x), t).backward() for a plan without stages
+    torch.manual_seed(0)
+    model, x, target = models.MLP(), torch.randn(16, 16), torch.randn(16, 8)
+    reference = copy.deepcopy(model)
+    pmodel = autopar.parallelize(model, (x,), cluster="2xH100", loss_fn=torch.nn.functional.mse_loss)
+    loss = pmodel.step(x, target=target)
+    ref_loss = torch.nn.functional.mse_loss(reference(x), target)
+    ref_loss.backward()
+    ref = dict(reference.named_parameters())
+    result["step_loss"] = abs(loss.item() - ref_loss.item())
+    result["step_grad"] = max((_full(p.grad) - ref[n].grad).abs().max().item() for n, p in pmodel.named_parameters())
+    try:
+        autopar.parallelize(model, (x,), cluster="2xH100").step(x, target=target)
+        result["no_loss_fn"] = "no error"
+    except autopar.AutoparError as exc:
+        result["no_loss_fn"] = exc.message
     return result

@@ -77,3 +77,9 @@ def tiny_mlp():
     """Factory for CLI tests: ``autopar plan models:tiny_mlp``."""
     torch.manual_seed(0)
     return MLP(), (torch.randn(8, 16),)
+
+
+def tiny_gpt():
+    """Factory for CLI tests of pipeline plans: ``autopar plan models:tiny_gpt``."""
+    torch.manual_seed(0)
+    return GPT(layers=4), (torch.randint(0, 64, (8, 16)),)

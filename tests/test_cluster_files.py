@@ -71,9 +71,24 @@ def test_bad_cluster_files(tmp_path, text, message):
     assert info.value.kind is autopar.ErrorKind.BAD_CLUSTER
 
 
-def test_mixed_device_regions_are_refused_with_a_reason(tmp_path):
+def test_mixed_device_regions_become_groups_and_a_uniform_mesh_runs_at_the_slowest(tmp_path):
     text = TWO_REGIONS.replace("eu-west: {device: A100-80GB", "eu-west: {device: V100-32GB")
-    with pytest.raises(AutoparError, match="mix device kinds .* needs pipeline stages"):
+    cluster = Cluster.from_spec(write(tmp_path, text))
+    groups = cluster.groups()
+    assert [(g.name, g.cluster.device.name, g.ranks) for g in groups] == [
+        ("us-east", "A100-80GB", tuple(range(16))), ("eu-west", "V100-32GB", tuple(range(16, 24)))]
+    assert groups[0].cluster.memory_limit_bytes == 80 * 10**9 and groups[1].cluster.memory_limit_bytes == 32 * 10**9
+    assert groups[0].cluster.inter_link.bandwidth_Bps == 25e9
+    v100 = groups[1].cluster.device
+    assert cluster.device.flops_per_s("float32") == v100.flops_per_s("float32")
+    assert cluster.memory_limit_bytes == 32 * 10**9
+    assert cluster.link_between(*groups).bandwidth_Bps == 0.125e9
+    assert cluster.describe() == "us-east:2x8xA100-80GB + eu-west:1x8xV100-32GB"
+
+
+def test_regions_with_different_node_sizes_are_refused(tmp_path):
+    text = TWO_REGIONS.replace("eu-west: {device: A100-80GB, nodes: 1, per_node: 8", "eu-west: {device: A100-80GB, nodes: 1, per_node: 4")
+    with pytest.raises(AutoparError, match=r"different node sizes \(per_node \[4, 8\]\)"):
         Cluster.from_spec(write(tmp_path, text))
 
 

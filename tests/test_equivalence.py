@@ -50,7 +50,9 @@ def test_equivalence_two_processes():
     *results, contract = run_world(2, run_cases, WORLD2, True)
     _check(WORLD2, results)
     assert contract["mismatch"].startswith("WORLD_MISMATCH: plan is for 4 devices (mesh [4]) but the process group has 2 ranks")
-    assert contract["is_graph_module"]
+    assert contract["is_parallel_module"]
+    assert contract["step_loss"] < 1e-6 and contract["step_grad"] < 1e-6
+    assert contract["no_loss_fn"].startswith("step() needs a loss function")
     code = contract["code"]
     assert "distribute_input(" in code and "to_full(" in code  # the plan's collectives are visible
 

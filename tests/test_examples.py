@@ -44,10 +44,11 @@ def test_examples_plan_through_the_cli(tmp_path):
 
 
 @pytest.mark.distributed
-def test_train_gpt_under_torchrun_loss_falls():
+@pytest.mark.parametrize("extra", [[], ["--cluster", "tests/clusters/two_cpu_regions.yaml"]], ids=["mesh", "pipeline"])
+def test_train_gpt_under_torchrun_loss_falls(extra):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "examples/train_gpt.py", "--steps", "60"],
+                           "examples/train_gpt.py", "--steps", "60", *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", done.stdout)]

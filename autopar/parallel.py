@@ -1,0 +1,57 @@
+"""What ``parallelize`` and ``apply`` return: the lowered model on this rank, with one
+training API for every plan.
+
+``pmodel(*inputs)`` returns the full outputs on every rank; ``pmodel.step(*inputs,
+target=t)`` runs forward and backward (over the plan's micro-batches when it has pipeline
+stages) and returns the loss on every rank, leaving gradients on ``pmodel.parameters()`` for
+any torch optimizer. Without stages, ``step`` is ``loss_fn(pmodel(*inputs), t).backward()``.
+Parameters keep the model's own names (``blocks.0.qkv.weight``); under a pipeline plan a
+rank holds only its stage's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan
+
+
+class ParallelModule(nn.Module):
+    def __init__(self, module: torch.fx.GraphModule, plan: Plan, loss_fn: Callable | None = None,
+                 pipeline=None) -> None:
+        super().__init__()
+        # share the lowered module's children, parameters and buffers so names stay the model's
+        self._modules = module._modules
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self.lowered = [module]  # in a list: not registered as a child (that would prefix every name)
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self.pipeline = pipeline  # passes.pipeline_lower.PipelineRuntime, or None
+
+    @property
+    def code(self) -> str:
+        """The lowered graph's code on this rank (its stage's, under a pipeline plan)."""
+        return self.lowered[0].code
+
+    def forward(self, *inputs):
+        if self.pipeline is None:
+            return self.lowered[0](*inputs)
+        with torch.no_grad():
+            return self.pipeline.evaluate(inputs)
+
+    def step(self, *inputs, target=None) -> torch.Tensor:
+        """One forward and backward; returns the (detached) loss, the same on every rank."""
+        if self.loss_fn is None:
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               "step() needs a loss function: pass loss_fn=fn (fn(output, target) -> scalar) to "
+                               "autopar.parallelize(...) or autopar.apply(...)")
+        if self.pipeline is not None:
+            return self.pipeline.train_step(inputs, target)
+        loss = self.loss_fn(self.lowered[0](*inputs), target)
+        loss.backward()
+        return loss.detach()

@@ -1,0 +1,271 @@
+"""Pipeline plans over device groups (regions): stage cuts, micro-batches, and each stage's
+own intra-operator plan on its group (asymmetric: groups may pick different meshes).
+
+For each micro-batch count ``m`` the model is captured at one micro-batch (``batch / m``);
+a stage over layers ``[i, j)`` on group ``s`` is cut out of that graph (passes.stages) and
+planned by the same sharding ILP as a whole model (``make_plan`` on the group's cluster),
+with ``p − s`` micro-batches of activations in flight (1F1B). Stages of identical layers at
+the same position cost the same, so they are solved once. solvers.pipeline then picks the
+cuts; the chosen stages are planned again under their own node names and merged into one
+:class:`Plan` whose nodes record their stage.
+
+Sending a stage's outputs: every lane (the k-th device of each group) sends its
+slice of the boundary tensors to its peer in the next group, which all-gathers them, and
+the gradients come back the same way; lanes crossing a WAN link share it, lanes inside a
+region each have their own network path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+
+import torch
+
+from autopar.cluster import Cluster, DeviceGroup
+from autopar.comm import all_gather_s
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan, StagePlan, TensorSpec
+from autopar.units import format_bytes
+from autopar.passes.capture import Captured, capture, normalize_inputs
+from autopar.passes.cost import annotate_costs, tensor_bytes
+from autopar.passes.layers import layer_signatures
+from autopar.passes.memory import annotate_saved
+from autopar.passes.strategies import MEMO_KEY
+from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
+from autopar.planner import make_plan
+from autopar.solvers.pipeline import StageTime, bubble, partition
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("1F1B", "GPipe")
+
+
+def pipeline_ready(cluster: Cluster) -> str | None:
+    """Why ``cluster`` cannot host a pipeline plan (None when it can)."""
+    groups = cluster.groups()
+    if len(groups) < 2:
+        return "the cluster has one device group (give it regions to pipeline over)"
+    if len({len(g.ranks) for g in groups}) > 1:
+        return (f"its groups have different sizes ({[len(g.ranks) for g in groups]} devices); stages talk lane by "
+                "lane, so every group needs the same number of devices")
+    return None
+
+
+def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, optimizer: str = "adamw",
+                  solver: str = "cpsat", time_limit_s: float = 60.0, micro_batches: int | None = None,
+                  schedule: str = "1F1B") -> Plan:
+    """The best pipeline plan of ``model`` over ``cluster.groups()`` (in their order)."""
+    if schedule not in SCHEDULES:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    reason = pipeline_ready(cluster)
+    if reason:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"cannot plan pipeline stages on {cluster.describe()}: {reason}")
+    inputs = normalize_inputs(example_inputs)
+    groups = cluster.groups()
+    start = time.perf_counter()
+    best, tried, smallest = None, [], None
+    for m in _micro_batch_counts(inputs, len(groups), micro_batches):
+        micro = tuple(x[: x.shape[0] // m] for x in inputs)
+        stages = _StageCosts(capture(model, micro), cluster, groups, m, schedule,
+                             dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s))
+        if len(stages.layers) < len(groups):
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"{type(model).__name__} has {len(stages.layers)} layers (indexed modules such as "
+                               f"blocks.0) but the cluster has {len(groups)} groups; pipeline stages are cut "
+                               "between layers: use fewer groups or plan without pipeline stages")
+        found = partition(len(stages.layers), len(groups), m, stages.time_s)
+        tried.append({"micro_batches": m, "cuts": list(found.cuts) if found else None,
+                      "predicted_step_s": found.step_s if found else None})
+        if found is None:
+            smallest = stages.largest_layer()
+            continue
+        if best is None or found.step_s < best[1].step_s * (1 - 1e-9):
+            best = (stages, found)
+    if best is None:
+        raise _no_fit(cluster, groups, smallest)
+    stages, found = best
+    plan = stages.assemble(found, tried)
+    object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start})
+    log.info("pipeline plan: %d stages, %d micro-batches, cuts %s, predicted step %.3g s",
+             len(groups), stages.micro_batches, found.cuts, found.step_s)
+    return plan
+
+
+def _micro_batch_counts(inputs: tuple, stages: int, pinned: int | None) -> list[int]:
+    batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
+    if any(x.dim() == 0 or x.shape[0] != batch for x in inputs):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"pipeline micro-batches split every input on dim 0, but the inputs' leading sizes are "
+                           f"{[tuple(x.shape[:1]) for x in inputs]}; give every input the batch as its first dim")
+    if pinned is not None:
+        if not isinstance(pinned, int) or pinned < 1 or batch % pinned:
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"micro_batches={pinned!r} must be a positive divisor of the batch size {batch}")
+        return [pinned]
+    counts = [m for m in (stages, 2 * stages, 4 * stages) if batch % m == 0]
+    if not counts:
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"batch size {batch} cannot be split into {stages} or more equal micro-batches; use a "
+                           f"batch divisible by {stages} or pass micro_batches=")
+    return counts
+
+
+class _StageCosts:
+    """Stage plans for one micro-batch size, solved once per distinct stage."""
+
+    def __init__(self, captured: Captured, cluster: Cluster, groups: list[DeviceGroup], micro_batches: int,
+                 schedule: str, options: dict) -> None:
+        annotate_costs(captured.graph)
+        annotate_saved(captured.graph)
+        for node in captured.graph.nodes:  # stage graphs copy meta: strategies enumerated once per mesh
+            node.meta[MEMO_KEY] = {}
+        self.captured, self.cluster, self.groups = captured, cluster, groups
+        self.micro_batches, self.schedule, self.options = micro_batches, schedule, options
+        self.layers = layer_order(captured.graph)
+        signature = layer_signatures(captured)
+        self._signature = [signature.get(layer) for layer in self.layers]
+        self._state = set(captured.parameter_of) | set(captured.buffer_of)
+        # stage key -> (time, (i, j) it was solved for, its plan with send time, or the error)
+        self._memo: dict[tuple, tuple[float, tuple[int, int], tuple[Plan, float] | AutoparError]] = {}
+
+    def in_flight(self, s: int) -> int:
+        p = len(self.groups)
+        return self.micro_batches if self.schedule == "GPipe" else min(p - s, self.micro_batches)
+
+    def time_s(self, i: int, j: int, s: int) -> StageTime:
+        """Per-micro-batch time of stage ``s`` over layers ``[i, j)`` and its link (inf if it does not fit)."""
+        key = (i == 0, j == len(self.layers), tuple(self._signature[i:j]), s)
+        if key not in self._memo:
+            try:
+                plan, (busy_s, latency_s) = self.stage(i, j, s)
+                self._memo[key] = (StageTime(plan.predicted_step_s + busy_s + latency_s,
+                                             max(plan.predicted_step_s, busy_s)), (i, j), (plan, (busy_s, latency_s)))
+            except AutoparError as exc:
+                if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                    raise
+                self._memo[key] = (StageTime(math.inf), (i, j), exc)
+        return self._memo[key][0]
+
+    def chosen(self, i: int, j: int, s: int) -> tuple[Plan, tuple[float, float]]:
+        """Plan of stage ``s`` over exactly layers ``[i, j)`` (node names differ between
+        identical stages at other positions, so those are planned again)."""
+        key = (i == 0, j == len(self.layers), tuple(self._signature[i:j]), s)
+        _t, solved_for, result = self._memo.get(key, (None, None, None))
+        return result if solved_for == (i, j) else self.stage(i, j, s)
+
+    def stage(self, i: int, j: int, s: int) -> tuple[Plan, tuple[float, float]]:
+        """Intra-operator plan of layers ``[i, j)`` on group ``s``, and its link's busy time
+        and latency per micro-batch."""
+        part = self._piece(i, j)
+        group = self.groups[s]
+        plan = make_plan(part, group.cluster, baselines=False, activation_copies=self.in_flight(s), annotate=False,
+                         **self.options)
+        send_s = self._send_s([n.meta["val"] for n in part.graph.output_node().all_input_nodes], s) \
+            if j < len(self.layers) else (0.0, 0.0)
+        return plan, send_s
+
+    def _send_s(self, vals: list[torch.Tensor], s: int) -> tuple[float, float]:
+        """Boundary tensors of stage ``s`` to stage ``s + 1`` and their gradients back, per
+        micro-batch: each lane sends its slice (whole where no dim divides evenly), lanes
+        crossing a WAN link share it, and the receiving group all-gathers the slices (the
+        sending group gathers the gradients' slices in backward). Returns (busy, latency)."""
+        here, there = self.groups[s], self.groups[s + 1]
+        lanes = len(here.ranks)
+        link = self.cluster.link_between(here, there)
+        busy = latency = 0.0
+        for val in vals:
+            trips = 2 if val.dtype.is_floating_point else 1
+            sliced = lane_slice_dim(val, lanes) is not None
+            per_lane = tensor_bytes(val) // (lanes if sliced else 1)
+            sharing = lanes if here.name != there.name else 1  # lanes over one WAN link
+            busy += trips * sharing * per_lane / link.bandwidth_Bps
+            latency += trips * link.latency_s
+            if sliced:
+                busy += all_gather_s(tensor_bytes(val), lanes, there.cluster.group_link(range(lanes)))
+                if trips == 2:
+                    busy += all_gather_s(tensor_bytes(val), lanes, here.cluster.group_link(range(lanes)))
+        return busy, latency
+
+    def _piece(self, i: int, j: int) -> Captured:
+        """The graph of layers ``[i, j)`` as a Captured of its own."""
+        cuts = [c for c in (i, j) if 0 < c < len(self.layers)]
+        stage_of = assign_stages(self.captured.graph, self.layers, cuts, self._state, self.captured.parameter_of)
+        index = 1 if i > 0 else 0
+        piece = split_graph(self.captured.graph, stage_of, len(cuts) + 1, self._state, only=index)[index]
+        names = {n.name for n in piece.graph.nodes if n.op == "placeholder"}
+        boundary = [n for n in piece.graph.nodes if n.op == "placeholder" and n.name not in self._state]
+        inputs = [TensorSpec.of(n.name, n.meta["val"]) for n in boundary]
+        return dataclasses.replace(
+            self.captured, inputs=inputs,
+            parameter_of={k: v for k, v in self.captured.parameter_of.items() if k in names},
+            buffer_of={k: v for k, v in self.captured.buffer_of.items() if k in names},
+            fingerprint=f"{self.captured.fingerprint}/layers{i}-{j}", aliases={}, stage_graph=piece.graph,
+            grad_inputs=frozenset(n.name for n in boundary if index and n.meta["val"].dtype.is_floating_point))
+
+    def largest_layer(self) -> tuple[str, int]:
+        """The layer needing the most memory per device on its own, on the group with the
+        most memory (for the error when nothing fits)."""
+        roomiest = max(self.groups, key=lambda g: g.cluster.memory_limit_bytes)
+        worst = ("", 0)
+        for k, layer in enumerate(self.layers):
+            try:
+                make_plan(self._piece(k, k + 1), roomiest.cluster, baselines=False, annotate=False, **self.options)
+            except AutoparError as exc:
+                if exc.kind is ErrorKind.INFEASIBLE_MEMORY and (exc.needed_bytes or 0) > worst[1]:
+                    worst = (layer, exc.needed_bytes)
+        return worst
+
+    def assemble(self, found, tried: list[dict]) -> Plan:
+        """One plan from the chosen stages, each planned again under its own node names."""
+        cuts = [0, *found.cuts, len(self.layers)]
+        stage_plans, stages = [], []
+        for s, group in enumerate(self.groups):
+            plan, (busy_s, latency_s) = self.chosen(cuts[s], cuts[s + 1], s)
+            send_s = busy_s + latency_s
+            stage_plans.append(plan)
+            stages.append(StagePlan(
+                group=group.name, device=group.cluster.device.name, ranks=group.ranks,
+                mesh_shape=plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names,
+                layers=tuple(self.layers[cuts[s]:cuts[s + 1]]), compute_s=plan.predicted_step_s, send_s=send_s,
+                in_flight=self.in_flight(s), memory=plan.memory))
+        nodes, parameters, buffers = {}, {}, {}
+        for s, plan in enumerate(stage_plans):
+            nodes.update({k: dataclasses.replace(v, stage=s) for k, v in plan.nodes.items()})
+            parameters.update(plan.parameters)
+            buffers.update(plan.buffers)
+        m, p = self.micro_batches, len(self.groups)
+        compute = m * max(plan.predicted_compute_s for plan in stage_plans)
+        memory = max((plan.memory for plan in stage_plans), key=lambda mem: mem.total_bytes)
+        lanes = len(self.groups[0].ranks)
+        return Plan(
+            fingerprint=self.captured.fingerprint,
+            cluster={"spec": self.cluster.describe(), "device": self.cluster.device.name, "hosts": self.cluster.hosts,
+                     "devices_per_host": self.cluster.devices_per_host,
+                     "memory_limit_bytes": self.cluster.memory_limit_bytes},
+            mesh_shape=(p, lanes), mesh_dim_names=("pp", "lane"), inputs=tuple(self.captured.inputs),
+            nodes=nodes, parameters=parameters, buffers=buffers,
+            predicted_step_s=found.step_s, predicted_compute_s=compute, predicted_comm_s=found.step_s - compute,
+            memory=memory,
+            solver={"name": "pipeline-dp", "status": "OPTIMAL", "method": "dp",
+                    "objective_s": found.step_s, "bound_s": found.step_s, "micro_batch_candidates": tried,
+                    "stage_solvers": [plan.solver for plan in stage_plans]},
+            mesh_candidates=tuple(c for plan in stage_plans for c in plan.mesh_candidates),
+            options={"optimizer": self.options["optimizer"], "pipeline": True},
+            stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m))
+
+
+def _no_fit(cluster: Cluster, groups: list[DeviceGroup], worst: tuple[str, int] | None) -> AutoparError:
+    largest = max(groups, key=lambda g: g.cluster.memory_limit_bytes)
+    limit = largest.cluster.memory_limit_bytes
+    layer, needed = worst or ("", 0)
+    what = f"a stage holding only layer {layer} needs at least {needed} bytes ({format_bytes(needed)}) per device; " \
+        if layer else "no cut into stages fits; "
+    return AutoparError(
+        ErrorKind.INFEASIBLE_MEMORY,
+        f"no pipeline plan fits on {cluster.describe()}: {what}the largest group, {largest.name} "
+        f"({len(largest.ranks)}x{largest.cluster.device.name}), has {limit} bytes ({format_bytes(limit)}) per device. "
+        "Fixes: 1) more micro-batches (micro_batches=) 2) more or larger devices per group 3) an optimizer with "
+        "less state (sgd)")

@@ -1,0 +1,207 @@
+"""Pipeline stages over device groups: graph splitting, the stage DP, golden plans, and
+equivalence of ``pmodel.step`` over stages and micro-batches with the single-process model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import AutoparError
+from autopar.cluster import Cluster
+from autopar.plan import Plan
+from autopar.passes.capture import capture
+from autopar.passes.stages import assign_stages, layer_order, split_graph
+from autopar.solvers.pipeline import StageTime, partition, step_time
+from distributed import run_world
+from models import GPT
+from pipeline_equivalence import check_pipeline
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "clusters")
+
+
+def regions(tmp_path, a: str, b: str, per_node: int, gbps: float, latency: str = "latency_ms: 40") -> str:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"regions:\n  a: {{device: {a}, nodes: 1, per_node: {per_node}}}\n"
+                    f"  b: {{device: {b}, nodes: 1, per_node: {per_node}}}\n"
+                    f"links:\n  - {{between: [a, b], bandwidth_GBps: {gbps}, {latency}}}\n")
+    return str(path)
+
+
+def test_stage_graphs_run_in_sequence_give_the_model_output():
+    torch.manual_seed(0)
+    model, x = GPT(layers=4), torch.randint(0, 64, (4, 16))
+    gm = capture(model, (x,)).program.module()
+    layers = layer_order(gm.graph)
+    assert layers == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    stage = assign_stages(gm.graph, layers, [1, 3], set(), {})
+    pieces = split_graph(gm.graph, stage, 3, set(), gm._out_spec)
+    assert [p.inputs for p in pieces][0] == ["idx"]
+    assert pieces[1].inputs == pieces[0].outputs and pieces[2].inputs == pieces[1].outputs
+    values = (x,)
+    owners: dict[str, int] = {}
+    for s, piece in enumerate(pieces):
+        module = torch.fx.GraphModule(gm, piece.graph)
+        for name, _ in module.named_parameters():
+            assert name not in owners, f"{name} in stages {owners[name]} and {s}"
+            owners[name] = s
+        values = module(*values)
+    assert set(owners) == {n for n, _ in model.named_parameters()}
+    assert {n: s for n, s in owners.items() if n.startswith("blocks.")} == {
+        n: (0 if ".0." in n else 1 if (".1." in n or ".2." in n) else 2) for n in owners if n.startswith("blocks.")}
+    assert torch.allclose(values, model(x), atol=1e-6)
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_parameter_read_by_two_stages_is_refused_by_name():
+    captured = capture(TiedLM(), (torch.zeros(4, 8, dtype=torch.long),))
+    state = set(captured.parameter_of) | set(captured.buffer_of)
+    with pytest.raises(AutoparError, match=r"parameter (emb|head)\.weight is read by pipeline stages \[0, 1\]"):
+        assign_stages(captured.graph, layer_order(captured.graph), [1], state, captured.parameter_of)
+
+
+def _brute_force(num_layers, num_stages, m, cost):
+    best = None
+    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+        bounds = [0, *cuts, num_layers]
+        times = [cost(bounds[s], bounds[s + 1], s) for s in range(num_stages)]
+        total = step_time(times, m)
+        if total != float("inf") and (best is None or total < best - 1e-12):
+            best = total
+    return best
+
+
+def test_stage_dp_equals_brute_force_on_random_costs():
+    rng = random.Random(0)
+    for _ in range(60):
+        num_layers, num_stages, m = rng.randint(2, 7), rng.randint(1, 3), rng.choice([1, 2, 5, 16])
+        table = {(i, j, s): StageTime(*((float("inf"), None) if rng.random() < 0.15 else
+                                        (rng.uniform(1.0, 3.0), rng.choice([None, rng.uniform(0.1, 1.0)]))))
+                 for i in range(num_layers) for j in range(i + 1, num_layers + 1) for s in range(num_stages)}
+        cost = lambda i, j, s: table[(i, j, s)]  # noqa: E731
+        found = partition(num_layers, num_stages, m, cost)
+        expected = _brute_force(num_layers, num_stages, m, cost)
+        if expected is None:
+            assert found is None
+        else:
+            assert found is not None and found.step_s == pytest.approx(expected)
+            bounds = [0, *found.cuts, num_layers]
+            assert list(found.stage_s) == [table[(bounds[s], bounds[s + 1], s)].total_s for s in range(num_stages)]
+
+
+@pytest.mark.distributed
+def test_pipeline_training_equals_single_process_two_stages_and_pp_by_dp():
+    """2 stages on 2 processes, and 2 stages × 2 devices on 4: loss, gradients (every step),
+    parameters after 3 SGD steps, and evaluation outputs match the single-process model."""
+    for world, name, micro_batches in ((2, "two_cpu_regions.yaml", 4), (4, "four_cpu_regions.yaml", 2)):
+        result = run_world(world, check_pipeline, os.path.join(CLUSTERS, name), micro_batches)
+        assert len(result["stages"]) == 2 and result["micro_batches"] == micro_batches, result
+        assert result["all_params_covered"], result
+        assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
+        assert result["output"] < 2e-6, result
+        if world == 4:
+            assert result["stage_meshes"] == [[2], [2]] and result["sliced"], result
+
+
+def _gpt(layers, d=256, seq=128, batch=16, vocab=1024):
+    examples = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import gpt  # examples/gpt.py, on the meta device
+
+    return gpt.build(layers=layers, d=d, seq=seq, batch=batch, vocab=vocab)
+
+
+def test_slow_wan_keeps_collectives_inside_regions_when_one_region_cannot_hold_the_model(tmp_path):
+    """Golden plan: 2 regions × 8 A100 at 1 Gbit/s, a model that does not fit one region's
+    memory. One mesh over both would shard (and gather) weights across the WAN; the plan
+    puts one pipeline stage on each region, so only stage boundaries cross it."""
+    model, x = _gpt(layers=4, d=1024, seq=256, batch=16, vocab=8192)
+    with pytest.raises(AutoparError) as one_region:
+        autopar.plan(model, x, cluster="8xA100-80GB", memory_limit=10**6)
+    limit = int(one_region.value.needed_bytes * 0.6)  # the model needs more than one region's memory
+    plan = autopar.plan(model, x, cluster=regions(tmp_path, "A100-80GB", "A100-80GB", 8, 0.125),
+                        memory_limit=limit, micro_batches=4)
+    assert [st.group for st in plan.stages] == ["a", "b"], plan.baselines
+    assert plan.stages[0].ranks == tuple(range(8)) and plan.stages[1].ranks == tuple(range(8, 16))
+    assert plan.predicted_step_s < plan.baselines["uniform_mesh"]["predicted_step_s"]
+    assert all(st.memory.total_bytes <= limit for st in plan.stages)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_fast_interconnect_and_a_model_that_fits_one_group_get_no_pipeline(tmp_path):
+    model, x = _gpt(layers=4)
+    plan = autopar.plan(model, x, cluster=regions(tmp_path, "A100-80GB", "A100-80GB", 4, 100, "latency_us: 5"))
+    assert plan.stages == () and plan.baselines["uniform_mesh"]["predicted_step_s"] == plan.predicted_step_s
+    assert plan.baselines["pipeline"]["predicted_step_s"] > plan.predicted_step_s
+
+
+def test_faster_group_gets_proportionally_more_layers(tmp_path):
+    """Golden plan: H100 + V100 → layers split in proportion to their speed on one layer
+    (within 15%; many micro-batches, so the slowest stage sets the pace)."""
+    model, x = _gpt(layers=32, d=128, seq=64, batch=64, vocab=256)
+    path = regions(tmp_path, "H100", "V100-32GB", 1, 25, "latency_us: 10")
+    plan = autopar.plan(model, x, cluster=path, micro_batches=32, pipeline=True)
+    fast, slow = plan.stages
+    assert (fast.device, slow.device) == ("H100-SXM", "V100-32GB")
+    layer, micro = _gpt(layers=1, d=128, seq=64, batch=2, vocab=256)  # one layer on one micro-batch
+    speed = (autopar.plan(layer, micro, cluster="1xV100-32GB").predicted_step_s
+             / autopar.plan(layer, micro, cluster="1xH100").predicted_step_s)
+    assert len(fast.layers) > len(slow.layers)
+    assert abs((len(fast.layers) / len(slow.layers)) / speed - 1) <= 0.15, (len(fast.layers), len(slow.layers), speed)
+
+
+def test_a_stage_that_fits_no_group_names_the_layer_bytes_and_largest_group(tmp_path):
+    model, x = _gpt(layers=2, d=512, seq=64, batch=8)
+    path = regions(tmp_path, "A100-80GB", "A100-80GB", 2, 1)
+    with pytest.raises(AutoparError, match=r"a stage holding only layer blocks\.\d needs at least \d+ bytes .* the "
+                                           r"largest group, a \(2xA100-80GB\), has 1000000 bytes"):
+        autopar.plan(model, x, cluster=path, memory_limit=10**6, pipeline=True, micro_batches=2)
+
+
+def test_pipeline_option_errors_are_specific():
+    model, x = _gpt(layers=2)
+    with pytest.raises(AutoparError, match="cannot host stages: the cluster has one device group"):
+        autopar.plan(model, x, cluster="8xA100-80GB", pipeline=True)
+    with pytest.raises(AutoparError, match=r"micro_batches=3 must be a positive divisor of the batch size 16"):
+        autopar.plan(model, x, cluster=os.path.join(CLUSTERS, "two_cpu_regions.yaml"), pipeline=True,
+                     micro_batches=3)
+    assert Cluster.from_spec(os.path.join(CLUSTERS, "four_cpu_regions.yaml")).num_devices == 4
+
+
+def test_cli_plans_stages_and_show_draws_the_timeline(tmp_path):
+    from test_cli import autopar as cli
+
+    out = tmp_path / "plan.json"
+    done = cli("plan", "models:tiny_gpt", "--cluster", os.path.join(CLUSTERS, "four_cpu_regions.yaml"),
+               "--pipeline", "on", "--micro-batches", "4", "-o", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert [st["group"] for st in summary["stages"]] == ["a", "b"] and summary["micro_batches"] == 4
+    assert summary["bubble"] == pytest.approx(1 / 5) and len(summary["peak_memory_bytes"]) == 4
+    shown = cli("show", str(out), "--html", str(tmp_path / "plan.html"))
+    assert shown.returncode == 0, shown.stderr
+    assert "pipeline: 2 stages, 4 micro-batches, 1F1B" in shown.stdout
+    rows = [line for line in shown.stdout.splitlines() if line.startswith("stage ")]
+    assert len(rows) == 2 and all(mark in rows[0] for mark in "0123abcd"), rows

@@ -27,15 +27,17 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          memory_limit: float | None = None, optimizer: str = "adamw", solver: str = "cpsat",
          time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
-         schedule: str = "1F1B") -> Plan:
+         schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
     much state each parameter carries (sgd 0, momentum 1, adam/adamw 2 copies).
     ``cluster_layers`` lets identical layers share decisions (smaller problem, same plan shape).
-    On a cluster with several device groups (regions), ``pipeline=None`` plans both one mesh
-    over every device and pipeline stages over the groups and keeps the faster;
-    ``True``/``False`` forces one. ``micro_batches`` pins the pipeline's micro-batch count.
+    On a cluster with several device groups (regions), the planner also tries pipeline stages
+    over the groups and data-parallel replicas on the groups (the batch split by their speed),
+    and keeps the fastest; ``pipeline=True`` or ``replicas=True`` forces one of them, ``False``
+    rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``batch_split`` the
+    replicas' rows per group.
     """
     from autopar.passes.capture import capture
 
@@ -44,44 +46,57 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     captured = capture(model, example_inputs)
     capture_s = time.perf_counter() - start
     result = _choose(model, example_inputs, target, captured, pipeline=pipeline, micro_batches=micro_batches,
-                     schedule=schedule, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
+                     schedule=schedule, replicas=replicas, batch_split=batch_split, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
                      mesh_shape=mesh_shape, cluster_layers=cluster_layers)
     result.timings["capture_s"] = capture_s
     return result
 
 
-def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipeline: bool | None,
-            micro_batches: int | None, schedule: str, **options) -> Plan:
-    """One mesh over every device, pipeline stages over the device groups, or the faster of the two."""
+def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipeline: bool | None = None,
+            micro_batches: int | None = None, schedule: str = "1F1B", replicas: bool | None = None,
+            batch_split: tuple[int, ...] | None = None, **options) -> Plan:
+    """The fastest of one mesh over every device, pipeline stages over the device groups, and
+    data-parallel replicas on the groups (see :func:`plan` for the flags)."""
     from autopar.pipeline_planner import pipeline_ready, plan_pipeline
     from autopar.planner import make_plan
+    from autopar.replica_planner import plan_replicas
 
     reason = pipeline_ready(target)
-    if pipeline and reason:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"pipeline=True, but {target.describe()} cannot host stages: {reason}")
-    if pipeline is False or reason or options.get("mesh_shape"):
+    for flag, value in (("pipeline", pipeline), ("replicas", replicas)):
+        if value and reason:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"{flag}=True, but {target.describe()} cannot host it: {reason}")
+    if pipeline and replicas:
+        raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
+    if reason or options.get("mesh_shape") or (pipeline is False and replicas is False):
         return make_plan(captured, target, **options)
-    uniform = None
-    if pipeline is None:
+    group_options = {k: options[k] for k in ("optimizer", "solver", "time_limit_s") if k in options}
+    makers = {
+        "uniform_mesh": (None if pipeline or replicas else lambda: make_plan(captured, target, **options)),
+        "pipeline": (None if pipeline is False or replicas else lambda: plan_pipeline(
+            model, example_inputs, target, micro_batches=micro_batches, schedule=schedule, **group_options)),
+        "replicas": (None if replicas is False or pipeline else lambda: plan_replicas(
+            model, example_inputs, target, batch_split=batch_split, **group_options)),
+    }
+    found: dict[str, Plan] = {}
+    error = None
+    for name, make in makers.items():
+        if make is None:
+            continue
         try:
-            uniform = make_plan(captured, target, **options)
+            found[name] = make()
         except AutoparError as exc:
-            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or len([m for m in makers.values() if m]) == 1:
                 raise
-    try:
-        staged = plan_pipeline(model, example_inputs, target, micro_batches=micro_batches, schedule=schedule,
-                               **{k: options[k] for k in ("optimizer", "solver", "time_limit_s") if k in options})
-    except AutoparError as exc:
-        if uniform is None or exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-            raise
-        return uniform
-    if uniform is None:
-        return staged
-    entry = {"uniform_mesh": {"predicted_step_s": uniform.predicted_step_s, "feasible": True},
-             "pipeline": {"predicted_step_s": staged.predicted_step_s, "feasible": True}}
-    staged = dataclasses.replace(staged, baselines={**uniform.baselines, **entry})
-    uniform = dataclasses.replace(uniform, baselines={**uniform.baselines, **entry})
-    return staged if staged.predicted_step_s < uniform.predicted_step_s else uniform
+            error = error or exc
+    if not found:
+        raise error
+    entry = {name: {"predicted_step_s": p.predicted_step_s, "feasible": True} for name, p in found.items()}
+    for name, make in makers.items():  # tried, and did not fit in memory
+        if make is not None:
+            entry.setdefault(name, {"predicted_step_s": None, "feasible": False})
+    base = found["uniform_mesh"].baselines if "uniform_mesh" in found else {}
+    best = min(found.values(), key=lambda p: p.predicted_step_s)
+    return dataclasses.replace(best, baselines={**base, **entry})
 
 
 def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:
@@ -94,7 +109,7 @@ def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> P
         raise AutoparError(ErrorKind.BAD_INPUT, f"apply() needs an autopar.Plan, got {type(plan).__name__}; "
                            "load one with autopar.load_plan(path)")
     _check_world(plan)
-    return _lower(_capture_for(model, plan), plan, model, loss_fn)
+    return _lower(None if plan.replicas else _capture_for(model, plan), plan, model, loss_fn)
 
 
 def _capture_for(model: nn.Module, plan: Plan):
@@ -124,15 +139,15 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
     payload = [None]
     if dist.get_rank() == 0:
         try:
-            payload[0] = _choose(model, example_inputs, target, captured, pipeline=options.pop("pipeline", None),
-                                 micro_batches=options.pop("micro_batches", None),
-                                 schedule=options.pop("schedule", "1F1B"), **options).to_json()
+            payload[0] = _choose(model, example_inputs, target, captured, **options).to_json()
         except AutoparError as exc:  # every rank must learn about it, not only rank 0
             payload[0] = exc
     dist.broadcast_object_list(payload, src=0)
     if isinstance(payload[0], AutoparError):
         raise payload[0]
     chosen = Plan.from_json(payload[0])
+    if chosen.replicas:
+        return _lower(None, chosen, model, loss_fn)
     return _lower(_capture_for(model, chosen) if chosen.stages else captured, chosen, model, loss_fn)
 
 
@@ -160,6 +175,11 @@ def _lower(captured, plan: Plan, model: nn.Module, loss_fn: Callable | None) -> 
         from autopar.passes.pipeline_lower import lower_pipeline
 
         module, runtime = lower_pipeline(captured, plan, model, loss_fn, device_type)
+        return ParallelModule(module, plan, loss_fn, runtime)
+    if plan.replicas:
+        from autopar.passes.replica_lower import lower_replicas
+
+        module, runtime = lower_replicas(model, plan, loss_fn, device_type)
         return ParallelModule(module, plan, loss_fn, runtime)
     mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
     return ParallelModule(lower(captured, plan, mesh, model), plan, loss_fn)

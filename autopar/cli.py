@@ -107,7 +107,10 @@ def summary_json(plan) -> dict:
         "micro_batches": plan.micro_batches,
         "schedule": plan.schedule,
         "bubble": plan.bubble,
-        "peak_memory_bytes": [st.memory.total_bytes for st in plan.stages for _ in st.ranks]
+        "replicas": [{"group": r.group, "device": r.device, "devices": len(r.ranks), "mesh": list(r.mesh_shape),
+                      "batch": r.batch, "predicted_step_s": r.compute_s, "gradient_sync_s": r.send_s,
+                      "memory_bytes": r.memory.total_bytes} for r in plan.replicas],
+        "peak_memory_bytes": [st.memory.total_bytes for st in (*plan.stages, *plan.replicas) for _ in st.ranks]
         or [plan.memory.total_bytes] * plan.num_devices,
         "memory_limit_bytes": [limit] * plan.num_devices,
         "baselines": plan.baselines,
@@ -130,7 +133,9 @@ def _cmd_plan(args) -> int:
     plan = autopar.plan(model, inputs, cluster=args.cluster, memory_limit=args.memory_limit,
                         time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer,
                         pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
-                        micro_batches=args.micro_batches, schedule=args.schedule)
+                        micro_batches=args.micro_batches, schedule=args.schedule,
+                        replicas={"auto": None, "on": True, "off": False}[args.replicas],
+                        batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None)
     if args.output:
         plan.save(args.output)
     print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
@@ -229,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages over the cluster's regions: auto keeps the faster of staged and one mesh")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: searched)")
     p.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B")
+    p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
+                   help="data-parallel replicas on the cluster's regions, the batch split by their speed")
+    p.add_argument("--batch-split", help="rows of the batch per region for replicas, e.g. 6,2")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     p.add_argument("--json", action="store_true", help="print the machine-readable summary")

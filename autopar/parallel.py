@@ -22,7 +22,7 @@ from autopar.plan import Plan
 
 class ParallelModule(nn.Module):
     def __init__(self, module: torch.fx.GraphModule, plan: Plan, loss_fn: Callable | None = None,
-                 pipeline=None) -> None:
+                 runtime=None) -> None:
         super().__init__()
         # share the lowered module's children, parameters and buffers so names stay the model's
         self._modules = module._modules
@@ -31,7 +31,9 @@ class ParallelModule(nn.Module):
         self.lowered = [module]  # in a list: not registered as a child (that would prefix every name)
         self.plan = plan
         self.loss_fn = loss_fn
-        self.pipeline = pipeline  # passes.pipeline_lower.PipelineRuntime, or None
+        # how a plan over several device groups runs a step: passes.pipeline_lower.PipelineRuntime
+        # (stages) or passes.replica_lower.ReplicaRuntime (data-parallel replicas); None: one mesh
+        self.runtime = runtime
 
     @property
     def code(self) -> str:
@@ -39,10 +41,10 @@ class ParallelModule(nn.Module):
         return self.lowered[0].code
 
     def forward(self, *inputs):
-        if self.pipeline is None:
+        if self.runtime is None:
             return self.lowered[0](*inputs)
         with torch.no_grad():
-            return self.pipeline.evaluate(inputs)
+            return self.runtime.evaluate(inputs)
 
     def step(self, *inputs, target=None) -> torch.Tensor:
         """One forward and backward; returns the (detached) loss, the same on every rank."""
@@ -50,8 +52,8 @@ class ParallelModule(nn.Module):
             raise AutoparError(ErrorKind.BAD_INPUT,
                                "step() needs a loss function: pass loss_fn=fn (fn(output, target) -> scalar) to "
                                "autopar.parallelize(...) or autopar.apply(...)")
-        if self.pipeline is not None:
-            return self.pipeline.train_step(inputs, target)
+        if self.runtime is not None:
+            return self.runtime.train_step(inputs, target)
         loss = self.loss_fn(self.lowered[0](*inputs), target)
         loss.backward()
         return loss.detach()

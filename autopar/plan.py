@@ -109,11 +109,14 @@ class StagePlan:
     send_s: float
     in_flight: int  # micro-batches whose activations the stage holds at once (1F1B: stages after it + 1)
     memory: MemoryBreakdown
+    batch: int = 0  # a data-parallel replica: its share of the global batch (0 for a stage)
+    fingerprint: str = ""  # a replica: its graph at that batch (what apply() checks)
 
     @classmethod
     def from_json(cls, d: dict) -> "StagePlan":
         return cls(d["group"], d["device"], tuple(d["ranks"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
-                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]))
+                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]),
+                   d.get("batch", 0), d.get("fingerprint", ""))
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,10 @@ class Plan:
     # step, schedule ("1F1B", "GPipe") and the predicted idle fraction (p−1)/(m+p−1);
     # ``inputs`` then describe one micro-batch
     stages: tuple[StagePlan, ...] = ()
+    # heterogeneous data parallelism: every group runs the whole model (``nodes`` placed on its
+    # own mesh) on its ``batch`` rows of the global batch; ``send_s``: the gradient all-reduce
+    # between groups; ``inputs`` then describe the global batch
+    replicas: tuple[StagePlan, ...] = ()
     micro_batches: int = 1
     schedule: str | None = None
     bubble: float = 0.0
@@ -188,6 +195,7 @@ class Plan:
                 memory=MemoryBreakdown(**d["memory"]), solver=d["solver"],
                 mesh_candidates=tuple(d["mesh_candidates"]), options=d["options"], baselines=d["baselines"],
                 stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
+                replicas=tuple(StagePlan.from_json(st) for st in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 schema_version=version,
             )

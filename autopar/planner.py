@@ -286,8 +286,9 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
     ``cluster`` with as many devices (e.g. a plan made without knowing a slow WAN link, costed
     on the real one). Every node keeps its planned strategy; raises BAD_PLAN if a placement is
     not one the model offers on that mesh."""
-    if plan.stages:
-        raise AutoparError(ErrorKind.BAD_PLAN, "re-costing pipeline plans is not supported yet; re-plan instead")
+    if plan.stages or plan.replicas:
+        raise AutoparError(ErrorKind.BAD_PLAN, "re-costing plans over several device groups is not supported yet; "
+                           "re-plan instead")
     mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
     annotate_costs(captured.graph)
     annotate_saved(captured.graph)
@@ -302,7 +303,10 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
         elif kind == "buffer" or kind == "output":
             match = [0]
         else:
-            node = plan.nodes[name]
+            node = plan.nodes.get(name)
+            if node is None:
+                raise AutoparError(ErrorKind.BAD_PLAN, f"node {name} of this graph is not in the plan (the plan was "
+                                   "made for a different graph)")
             match = [t for t, s in enumerate(options) if tuple(_joined(p) for p in s.outputs) == node.outputs
                      and tuple(_joined(p) for p in s.inputs) == node.inputs]
         if not match:

@@ -23,6 +23,7 @@ def summary(plan: Plan) -> str:
     console.print(f"predicted step {format_seconds(plan.predicted_step_s)} = compute "
                   f"{format_seconds(plan.predicted_compute_s)} + communication {format_seconds(plan.predicted_comm_s)}")
     memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
+                   "memory per device in the largest replica's plan, and time" if plan.replicas else
                    f"memory per device, and time (all {plan.num_devices} devices run the same program)")
     for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use", "compute", "comm"):
         memory.add_column(column, justify="right")
@@ -39,6 +40,8 @@ def summary(plan: Plan) -> str:
                       "that micro-batch, letters: backward (a = 0), '.' idle)")
         for line in pipeline_timeline(plan):
             console.print(line, markup=False, highlight=False)
+    if plan.replicas:
+        console.print(_replicas_table(plan))
     console.print(_baselines_table(plan))
     console.print(_layers_table(plan))
     for title, rows in top_nodes(plan).items():
@@ -75,6 +78,18 @@ def _stages_table(plan: Plan) -> Table:
         table.add_row(str(k), st.group, f"{len(st.ranks)}x{st.device}", str(list(st.mesh_shape)), layers,
                       format_seconds(st.compute_s), format_seconds(st.send_s), str(st.in_flight),
                       format_bytes(st.memory.total_bytes))
+    return table
+
+
+def _replicas_table(plan: Plan) -> Table:
+    total = sum(r.batch for r in plan.replicas)
+    table = Table(title=f"data-parallel replicas: the batch of {total} split by group speed, gradients summed "
+                        f"between groups ({format_seconds(plan.replicas[0].send_s)} per step)")
+    for column in ("group", "devices", "mesh", "rows", "share", "step", "memory"):
+        table.add_column(column)
+    for r in plan.replicas:
+        table.add_row(r.group, f"{len(r.ranks)}x{r.device}", str(list(r.mesh_shape)), str(r.batch),
+                      f"{100 * r.batch / total:.0f}%", format_seconds(r.compute_s), format_bytes(r.memory.total_bytes))
     return table
 
 

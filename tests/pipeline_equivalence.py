@@ -29,17 +29,18 @@ def _max_over_ranks(errors: dict) -> dict:
 
 
 def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: int = 3, layers: int = 4,
-                   batch: int = 8, schedule: str = "1F1B") -> dict:
+                   batch: int = 8, schedule: str = "1F1B", options: dict | None = None) -> dict:
     """Max abs errors of loss, grads (every step), params after ``steps`` SGD steps, and
-    the evaluation output; plus the plan's shape."""
+    the evaluation output; plus the plan's shape. ``options`` (to parallelize) replace the
+    pipeline ones, e.g. ``{"replicas": True, "batch_split": (6, 2)}``."""
     torch.manual_seed(0)
     model = models.GPT(layers=layers)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 64, (batch, 16), generator=g), torch.randint(0, 64, (batch, 16), generator=g))
                for _ in range(steps)]
-    pmodel = autopar.parallelize(model, (batches[0][0],), cluster=cluster_path, loss_fn=token_loss, pipeline=True,
-                                 micro_batches=micro_batches, schedule=schedule)
+    options = options or {"pipeline": True, "micro_batches": micro_batches, "schedule": schedule}
+    pmodel = autopar.parallelize(model, (batches[0][0],), cluster=cluster_path, loss_fn=token_loss, **options)
     ref_params = dict(reference.named_parameters())
     own = dict(pmodel.named_parameters())
     assert own and set(own) <= set(ref_params), set(own) - set(ref_params)
@@ -72,4 +73,5 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     errors["stages"] = [list(st.layers) for st in plan.stages]
     errors["stage_meshes"] = [list(st.mesh_shape) for st in plan.stages]
     errors["micro_batches"] = plan.micro_batches
+    errors["batch_split"] = [r.batch for r in plan.replicas]
     return errors

@@ -124,6 +124,18 @@ def test_pipeline_training_equals_single_process_two_stages_and_pp_by_dp():
             assert result["stage_meshes"] == [[2], [2]] and result["sliced"], result
 
 
+@pytest.mark.distributed
+def test_uneven_data_parallel_replicas_train_like_one_process():
+    """Heterogeneous data parallelism: rows split 3:1 between the groups (1 and 2 devices per
+    group), losses weighted by share and gradients summed between groups."""
+    for world, name in ((2, "two_cpu_regions.yaml"), (4, "four_cpu_regions.yaml")):
+        result = run_world(world, check_pipeline, os.path.join(CLUSTERS, name), None, 3, 4, 8, "1F1B",
+                           {"replicas": True, "batch_split": (6, 2)})
+        assert result["batch_split"] == [6, 2] and result["all_params_covered"], result
+        assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
+        assert result["output"] < 2e-6, result
+
+
 def _gpt(layers, d=256, seq=128, batch=16, vocab=1024):
     examples = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
     if examples not in sys.path:
@@ -152,9 +164,8 @@ def test_slow_wan_keeps_collectives_inside_regions_when_one_region_cannot_hold_t
 
 def test_fast_interconnect_and_a_model_that_fits_one_group_get_no_pipeline(tmp_path):
     model, x = _gpt(layers=4)
-    plan = autopar.plan(model, x, cluster=regions(tmp_path, "A100-80GB", "A100-80GB", 4, 100, "latency_us: 5"))
-    assert plan.stages == () and plan.baselines["uniform_mesh"]["predicted_step_s"] == plan.predicted_step_s
-    assert plan.baselines["pipeline"]["predicted_step_s"] > plan.predicted_step_s
+    plan = autopar.plan(model, x, cluster=regions(tmp_path, "A100-80GB", "A100-80GB", 2, 100, "latency_us: 5"))
+    assert plan.stages == () and plan.baselines["pipeline"]["predicted_step_s"] > plan.predicted_step_s
 
 
 def test_faster_group_gets_proportionally_more_layers(tmp_path):
@@ -172,6 +183,22 @@ def test_faster_group_gets_proportionally_more_layers(tmp_path):
     assert abs((len(fast.layers) / len(slow.layers)) / speed - 1) <= 0.15, (len(fast.layers), len(slow.layers), speed)
 
 
+def test_replicas_split_the_batch_by_group_speed(tmp_path):
+    """Golden plan: data-parallel replicas on H100 and V100 take rows in proportion to their
+    speed (within 15%), and the gradient all-reduce between them is costed."""
+    model, x = _gpt(layers=2, d=256, seq=128, batch=64, vocab=1024)
+    path = regions(tmp_path, "H100", "V100-32GB", 1, 25, "latency_us: 10")
+    plan = autopar.plan(model, x, cluster=path, replicas=True)
+    fast, slow = plan.replicas
+    assert (fast.device, slow.device) == ("H100-SXM", "V100-32GB") and fast.batch + slow.batch == 64
+    share, _ = _gpt(layers=2, d=256, seq=128, batch=32, vocab=1024)
+    speed = (autopar.plan(share, _, cluster="1xV100-32GB").predicted_step_s
+             / autopar.plan(share, _, cluster="1xH100").predicted_step_s)
+    assert abs((fast.batch / slow.batch) / speed - 1) <= 0.15, (fast.batch, slow.batch, speed)
+    assert plan.predicted_step_s == pytest.approx(max(fast.compute_s, slow.compute_s) + fast.send_s)
+    assert fast.send_s > 0 and Plan.from_json(plan.to_json()) == plan
+
+
 def test_a_stage_that_fits_no_group_names_the_layer_bytes_and_largest_group(tmp_path):
     model, x = _gpt(layers=2, d=512, seq=64, batch=8)
     path = regions(tmp_path, "A100-80GB", "A100-80GB", 2, 1)
@@ -182,8 +209,15 @@ def test_a_stage_that_fits_no_group_names_the_layer_bytes_and_largest_group(tmp_
 
 def test_pipeline_option_errors_are_specific():
     model, x = _gpt(layers=2)
-    with pytest.raises(AutoparError, match="cannot host stages: the cluster has one device group"):
+    with pytest.raises(AutoparError, match="pipeline=True, but 8xA100-80GB cannot host it: the cluster has one "
+                                           "device group"):
         autopar.plan(model, x, cluster="8xA100-80GB", pipeline=True)
+    two = os.path.join(CLUSTERS, "two_cpu_regions.yaml")
+    with pytest.raises(AutoparError, match=r"batch_split=\(10, 2\) must give each of the 2 groups at least one row "
+                                           "and sum to the batch size 16"):
+        autopar.plan(model, x, cluster=two, replicas=True, batch_split=(10, 2))
+    with pytest.raises(AutoparError, match="pipeline=True and replicas=True exclude each other"):
+        autopar.plan(model, x, cluster=two, replicas=True, pipeline=True)
     with pytest.raises(AutoparError, match=r"micro_batches=3 must be a positive divisor of the batch size 16"):
         autopar.plan(model, x, cluster=os.path.join(CLUSTERS, "two_cpu_regions.yaml"), pipeline=True,
                      micro_batches=3)

@@ -1,0 +1,124 @@
+"""Heterogeneous data parallelism: every device group (region) runs the whole model on its
+own share of the global batch, shares sized by the groups' speed.
+
+Split: each group's throughput is 1 / (its predicted step on an equal share); the batch is
+divided in proportion (largest remainders, at least one row per group), unless the caller
+pins ``batch_split``. One intra-operator plan, made for the group with the largest share on
+that share, is used by every group (placements of corresponding devices then match, so
+their gradient shards can be summed lane by lane) and re-costed on each group at its own
+share (``planner.recost``).
+
+Training stays identical to one device on the whole batch: group ``g``'s loss is weighted by
+``b_g / B`` and the gradients are summed over groups, so with a batch-mean loss the summed
+gradient is the mean over all ``B`` rows.
+
+    step = max_g t_g(b_g) + all-reduce of each device's gradient shard between groups
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from autopar.cluster import Cluster
+from autopar.comm import all_reduce_s
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan, StagePlan, TensorSpec
+from autopar.units import format_bytes
+from autopar.passes.capture import capture, normalize_inputs
+from autopar.pipeline_planner import pipeline_ready
+from autopar.planner import make_plan, recost
+
+log = logging.getLogger(__name__)
+
+
+def proportional_split(batch: int, weights: list[float]) -> tuple[int, ...]:
+    """Rows per group in proportion to ``weights``, summing to ``batch``, each at least one.
+
+    >>> proportional_split(8, [3.0, 1.0])
+    (6, 2)
+    """
+    if batch < len(weights):
+        raise AutoparError(ErrorKind.BAD_INPUT, f"batch of {batch} rows cannot feed {len(weights)} replica groups")
+    spare = batch - len(weights)  # one row each first
+    exact = [spare * w / sum(weights) for w in weights]
+    rows = [1 + int(e) for e in exact]
+    for k in sorted(range(len(weights)), key=lambda k: int(exact[k]) - exact[k])[:batch - sum(rows)]:
+        rows[k] += 1
+    return tuple(rows)
+
+
+def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, optimizer: str = "adamw",
+                  solver: str = "cpsat", time_limit_s: float = 60.0,
+                  batch_split: tuple[int, ...] | None = None) -> Plan:
+    reason = pipeline_ready(cluster)
+    if reason:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"cannot plan data-parallel replicas on {cluster.describe()}: {reason}")
+    inputs = normalize_inputs(example_inputs)
+    batch = inputs[0].shape[0] if inputs[0].dim() else 0
+    if any(x.dim() == 0 or x.shape[0] != batch for x in inputs):
+        raise AutoparError(ErrorKind.BAD_INPUT, "replicas split every input on dim 0; give every input the batch "
+                           f"as its first dim (leading sizes {[tuple(x.shape[:1]) for x in inputs]})")
+    groups = cluster.groups()
+    options = dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, baselines=False)
+    start = time.perf_counter()
+    captures: dict[int, object] = {}
+
+    def captured_at(rows: int):
+        if rows not in captures:
+            captures[rows] = capture(model, tuple(x[:rows] for x in inputs))
+        return captures[rows]
+
+    if batch_split is None:
+        share = max(1, batch // len(groups))
+        speeds = [1.0 / make_plan(captured_at(share), g.cluster, **options).predicted_step_s for g in groups]
+        split = proportional_split(batch, speeds)
+    else:
+        split = tuple(int(b) for b in batch_split)
+        if len(split) != len(groups) or sum(split) != batch or min(split) < 1:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={tuple(batch_split)} must give each of the "
+                               f"{len(groups)} groups at least one row and sum to the batch size {batch}")
+    main = max(range(len(groups)), key=lambda g: split[g])
+    shared = make_plan(captured_at(split[main]), groups[main].cluster, **options)
+    replicas, times = [], []
+    for group, rows in zip(groups, split):
+        step_s, memory = recost(captured_at(rows), shared, group.cluster, optimizer)
+        if memory > group.cluster.memory_limit_bytes:
+            raise AutoparError(ErrorKind.INFEASIBLE_MEMORY,
+                               f"replica on {group.name} ({len(group.ranks)}x{group.cluster.device.name}) with {rows} "
+                               f"rows needs {memory} bytes ({format_bytes(memory)}) per device, has "
+                               f"{group.cluster.memory_limit_bytes}; fixes: 1) a smaller batch_split share for it "
+                               "2) pipeline stages instead", needed_bytes=memory)
+        times.append(step_s)
+        replicas.append((group, rows, step_s, memory))
+    sync_s = _gradient_sync_s(cluster, groups, shared.memory.grads_bytes)
+    step = max(times) + sync_s
+    lanes = len(groups[0].ranks)
+    plan = dataclasses.replace(
+        shared, inputs=tuple(TensorSpec.of(spec.name, x) for spec, x in zip(shared.inputs, inputs)),
+        cluster={"spec": cluster.describe(), "device": cluster.device.name, "hosts": cluster.hosts,
+                 "devices_per_host": cluster.devices_per_host, "memory_limit_bytes": cluster.memory_limit_bytes},
+        mesh_shape=(len(groups), lanes), mesh_dim_names=("replica", "lane"),
+        predicted_step_s=step, predicted_comm_s=step - shared.predicted_compute_s,
+        replicas=tuple(StagePlan(
+            group=g.name, device=g.cluster.device.name, ranks=g.ranks, mesh_shape=shared.mesh_shape,
+            mesh_dim_names=shared.mesh_dim_names, layers=(), compute_s=t, send_s=sync_s, in_flight=1,
+            memory=dataclasses.replace(shared.memory, activations_bytes=m - shared.memory.total_bytes
+                                       + shared.memory.activations_bytes),
+            batch=rows, fingerprint=captured_at(rows).fingerprint) for g, rows, t, m in replicas),
+        options={**shared.options, "replicas": True}, baselines={})
+    object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start})
+    log.info("replica plan: split %s, predicted step %.3g s", split, step)
+    return plan
+
+
+def _gradient_sync_s(cluster: Cluster, groups, grad_bytes: int) -> float:
+    """Each lane all-reduces its devices' gradient shards between groups; lanes crossing a
+    WAN link share it."""
+    slowest = min((cluster.link_between(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]),
+                  key=lambda link: link.bandwidth_Bps)
+    sharing = len(groups[0].ranks) if len({g.name for g in groups}) > 1 else 1
+    return all_reduce_s(grad_bytes * sharing, len(groups), slowest)

@@ -1,0 +1,81 @@
+"""Lowering a heterogeneous data-parallel plan: every group runs the whole model, lowered on
+its own mesh, on its rows of the global batch.
+
+Group ``g`` takes rows ``[offset_g, offset_g + b_g)`` of every input (and target), weights its
+loss by ``b_g / B``, and after backward each lane (the k-th device of every group) sums its
+gradient shards over the groups, so the gradients equal one device's on the whole batch.
+Evaluation gathers every group's outputs in batch order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower_module
+
+
+class ReplicaRuntime:
+    """This rank's group: which rows it takes, and the lane it sums gradients over."""
+
+    def __init__(self, module: torch.fx.GraphModule, plan: Plan, index: int, lane: dist.ProcessGroup,
+                 loss_fn: Callable | None) -> None:
+        self.module, self.lane, self.loss_fn = module, lane, loss_fn
+        rows = [r.batch for r in plan.replicas]
+        self.start, self.rows, self.total = sum(rows[:index]), rows[index], sum(rows)
+
+    def _mine(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.start:self.start + self.rows]
+
+    def train_step(self, inputs: tuple, target) -> torch.Tensor:
+        loss = self.loss_fn(self.module(*(self._mine(x) for x in inputs)), self._mine(target)) * (self.rows / self.total)
+        loss.backward()
+        with torch.no_grad():
+            for param in self.module.parameters():
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                local = (grad.to_local() if isinstance(grad, DTensor) else grad).contiguous()
+                dist.all_reduce(local, group=self.lane)
+                param.grad = DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
+                                                shape=grad.shape, stride=grad.stride()) \
+                    if isinstance(grad, DTensor) else local
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=self.lane)
+        return total
+
+    def evaluate(self, inputs: tuple):
+        out = self.module(*(self._mine(x) for x in inputs))
+        parts = [None] * dist.get_world_size(self.lane)
+        dist.all_gather_object(parts, out.detach(), group=self.lane)
+        return torch.cat(parts, dim=0)
+
+
+def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, device_type: str
+                   ) -> tuple[torch.fx.GraphModule, ReplicaRuntime]:
+    rank = dist.get_rank()
+    meshes = [DeviceMesh(device_type, torch.tensor(r.ranks).reshape(r.mesh_shape), mesh_dim_names=r.mesh_dim_names)
+              for r in plan.replicas]
+    width = len(plan.replicas[0].ranks)
+    lanes = [dist.new_group([r.ranks[k] for r in plan.replicas]) for k in range(width)]
+    g = next(i for i, r in enumerate(plan.replicas) if rank in r.ranks)
+    replica = plan.replicas[g]
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    inputs = tuple(torch.zeros((replica.batch, *spec.shape[1:]), dtype=getattr(torch, spec.dtype), device=device)
+                   for spec in plan.inputs)
+    captured = capture(model, inputs)
+    if captured.fingerprint != replica.fingerprint:
+        raise AutoparError(ErrorKind.BAD_PLAN,
+                           f"plan was made for a different graph (replica {replica.group}: fingerprint "
+                           f"{replica.fingerprint}, this model captures as {captured.fingerprint}); re-plan this model")
+    module = captured.program.module()
+    lower_module(module, [spec.name for spec in plan.inputs], plan, meshes[g], model, captured)
+    return module, ReplicaRuntime(module, plan, g, lanes[replica.ranks.index(rank)], loss_fn)

@@ -27,7 +27,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          memory_limit: float | None = None, optimizer: str = "adamw", solver: str = "cpsat",
          time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
-         schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None) -> Plan:
+         schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
+         configuration: str | None = None) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -37,7 +38,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     over the groups and data-parallel replicas on the groups (the batch split by their speed),
     and keeps the fastest; ``pipeline=True`` or ``replicas=True`` forces one of them, ``False``
     rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``batch_split`` the
-    replicas' rows per group.
+    replicas' rows per group. ``configuration="ddp"`` (or fsdp, megatron_tp, tp_dp) returns
+    that hand-written configuration, costed and lowerable like any plan.
     """
     from autopar.passes.capture import capture
 
@@ -47,7 +49,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     capture_s = time.perf_counter() - start
     result = _choose(model, example_inputs, target, captured, pipeline=pipeline, micro_batches=micro_batches,
                      schedule=schedule, replicas=replicas, batch_split=batch_split, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
-                     mesh_shape=mesh_shape, cluster_layers=cluster_layers)
+                     mesh_shape=mesh_shape, cluster_layers=cluster_layers, configuration=configuration)
     result.timings["capture_s"] = capture_s
     return result
 
@@ -67,7 +69,7 @@ def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipe
             raise AutoparError(ErrorKind.BAD_INPUT, f"{flag}=True, but {target.describe()} cannot host it: {reason}")
     if pipeline and replicas:
         raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
-    if reason or options.get("mesh_shape") or (pipeline is False and replicas is False):
+    if reason or options.get("mesh_shape") or options.get("configuration") or (pipeline is False and replicas is False):
         return make_plan(captured, target, **options)
     group_options = {k: options[k] for k in ("optimizer", "solver", "time_limit_s") if k in options}
     makers = {
@@ -78,6 +80,7 @@ def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipe
             model, example_inputs, target, batch_split=batch_split, **group_options)),
     }
     found: dict[str, Plan] = {}
+    skipped: dict[str, str] = {}
     error = None
     for name, make in makers.items():
         if make is None:
@@ -85,15 +88,21 @@ def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipe
         try:
             found[name] = make()
         except AutoparError as exc:
-            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or len([m for m in makers.values() if m]) == 1:
+            alone = len([m for m in makers.values() if m]) == 1
+            if alone or (name == "uniform_mesh" and exc.kind is not ErrorKind.INFEASIBLE_MEMORY):
                 raise
-            error = error or exc
+            if exc.kind is ErrorKind.INFEASIBLE_MEMORY:
+                error = error or exc
+            else:  # not applicable to this model (batch, layers, tied weights …): say why, go on
+                skipped[name] = exc.message
+                log.info("%s plans skipped: %s", name, exc.message)
     if not found:
         raise error
     entry = {name: {"predicted_step_s": p.predicted_step_s, "feasible": True} for name, p in found.items()}
-    for name, make in makers.items():  # tried, and did not fit in memory
+    for name, make in makers.items():  # tried: did not fit in memory, or not applicable
         if make is not None:
-            entry.setdefault(name, {"predicted_step_s": None, "feasible": False})
+            entry.setdefault(name, {"predicted_step_s": None, "feasible": False,
+                                    **({"skipped": skipped[name]} if name in skipped else {})})
     base = found["uniform_mesh"].baselines if "uniform_mesh" in found else {}
     best = min(found.values(), key=lambda p: p.predicted_step_s)
     return dataclasses.replace(best, baselines={**base, **entry})

@@ -22,6 +22,7 @@ EXAMPLES = {
     "explain": "autopar explain plan.json addmm_3\nautopar explain plan.json addmm_3 --json",
     "validate": "autopar validate plan.json examples.gpt:build",
     "diff": "autopar diff plan-8xH100.json plan-2x8xH100.json\nautopar diff a.json b.json --json",
+    "profile": "autopar profile --out cpu.yaml\nautopar plan examples.gpt:build --cluster cpu.yaml",
 }
 
 _INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
@@ -214,6 +215,19 @@ def _cmd_devices(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from autopar.profile import write_profile
+
+    if args.world < 1:
+        raise UsageError(f"--world must be at least 1, got {args.world}")
+    content = write_profile(args.out, args.world, args.quick)
+    name, device = next(iter(content["devices"].items()))
+    print(f"wrote {args.out}: {args.world}x{name}: fp32 {device['peak_TFLOPS']['fp32'] * 1e3:.1f} GFLOP/s, "
+          f"bf16 {device['peak_TFLOPS']['bf16'] * 1e3:.1f} GFLOP/s, memory {device['memory_bandwidth_GBps']} GB/s, "
+          f"link {device['intra_node']['bandwidth_GBps']} GB/s + {device['intra_node']['latency_us']} us")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -271,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = command("devices", "list the device catalog")
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=_cmd_devices)
+
+    r = command("profile", "measure this machine (matmul, memory bandwidth, gloo collectives) into a cluster file")
+    r.add_argument("--out", default="cpu.yaml", help="cluster file to write (atomically)")
+    r.add_argument("--world", type=int, default=2, help="processes (devices) the file describes")
+    r.add_argument("--quick", action="store_true", help="smaller and fewer measurements (a few seconds)")
+    r.set_defaults(run=_cmd_profile)
     return parser
 
 

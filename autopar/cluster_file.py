@@ -10,7 +10,9 @@
 
 A single-region cluster may give ``device/nodes/per_node`` (and the link blocks) at the top
 level. Missing link figures take the device's defaults. ``memory_reserve_GB`` (per region or
-top level) is subtracted from each device's memory. Errors name the file, the line and the fix.
+top level) is subtracted from each device's memory. A top-level ``devices:`` section defines
+device kinds of the file's own (measured ones: ``autopar profile``). Errors name the file, the
+line and the fix.
 """
 
 from __future__ import annotations
@@ -70,13 +72,14 @@ def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) ->
 
     if not isinstance(data, dict):
         raise _fail(source, "a cluster file must be a mapping with `regions:` or `device/nodes/per_node`")
+    custom = _custom_devices(data.get("devices", {}), where)
     if "regions" in data:
         regions = data["regions"]
         if not isinstance(regions, dict) or not regions:
             raise _fail(where("regions"), "`regions` must map region names to {device, nodes, per_node}")
-        specs = {name: _region(spec, where, ("regions", name), data) for name, spec in regions.items()}
+        specs = {name: _region(spec, where, ("regions", name), custom) for name, spec in regions.items()}
     else:
-        specs = {"default": _region(data, where, (), {})}
+        specs = {"default": _region(data, where, (), custom)}
     per_node = {s["per_node"] for s in specs.values()}
     if len(per_node) > 1:
         raise _fail(where("regions"), f"regions have different node sizes (per_node {sorted(per_node)}); ranks "
@@ -119,19 +122,60 @@ def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
         memory_efficiency=min(d.memory_efficiency for d in devices), aliases=())
 
 
-def _region(spec, where, key: tuple, _root) -> dict:
+def _custom_devices(section, where) -> dict[str, DeviceSpec]:
+    """``devices:`` — device kinds the file defines itself (``autopar profile`` writes one):
+
+        devices:
+          my-cpu: {peak_TFLOPS: {fp32: 0.09}, memory_GB: 24, memory_bandwidth_GBps: 9.5,
+                   intra_node: {bandwidth_GBps: 1.1, latency_us: 60}}
+
+    Figures are what kernels reach (efficiency 1 unless ``compute_efficiency`` says otherwise);
+    ``op_overhead_us`` is a fixed time per executed op."""
+    if not isinstance(section, dict):
+        raise _fail(where("devices"), "`devices` must map names to {peak_TFLOPS, memory_GB, memory_bandwidth_GBps}")
+    found = {}
+    for name, spec in section.items():
+        key = ("devices", name)
+        if not isinstance(spec, dict):
+            raise _fail(where(*key), "a device must be a mapping {peak_TFLOPS: {fp32: ...}, memory_GB, "
+                        "memory_bandwidth_GBps}")
+        for required in ("peak_TFLOPS", "memory_GB", "memory_bandwidth_GBps"):
+            if required not in spec:
+                raise _fail(where(*key), f"device {name!r} is missing `{required}`")
+        flops = spec["peak_TFLOPS"]
+        if not isinstance(flops, dict) or "fp32" not in flops:
+            raise _fail(where(*key, "peak_TFLOPS"), "`peak_TFLOPS` must map dtypes to TFLOP/s and include fp32")
+        intra = _link(spec.get("intra_node"), Link(2 * GB, 50e-6), where, key + ("intra_node",))
+        inter = _link(spec.get("inter_node"), Link(1.25 * GB, 100e-6), where, key + ("inter_node",))
+        found[str(name).lower()] = DeviceSpec(
+            name=str(name),
+            peak_flops={dtype: _number(v, where, key + ("peak_TFLOPS", dtype)) * 1e12 for dtype, v in flops.items()},
+            memory_bytes=int(_number(spec["memory_GB"], where, key + ("memory_GB",)) * GB),
+            memory_bandwidth_Bps=_number(spec["memory_bandwidth_GBps"], where, key + ("memory_bandwidth_GBps",)) * GB,
+            intra_node_bandwidth_Bps=intra.bandwidth_Bps, intra_node_latency_s=intra.latency_s,
+            inter_node_bandwidth_Bps=inter.bandwidth_Bps, inter_node_latency_s=inter.latency_s,
+            compute_efficiency=_number(spec.get("compute_efficiency", 1.0), where, key + ("compute_efficiency",)),
+            memory_efficiency=_number(spec.get("memory_efficiency", 1.0), where, key + ("memory_efficiency",)),
+            op_overhead_s=_number(spec.get("op_overhead_us", 0), where, key + ("op_overhead_us",), allow_zero=True)
+            * 1e-6,
+            source=str(spec.get("source", "defined in the cluster file")))
+    return found
+
+
+def _region(spec, where, key: tuple, custom: dict[str, DeviceSpec]) -> dict:
     if not isinstance(spec, dict):
         raise _fail(where(*key), "a region must be a mapping {device: ..., nodes: ..., per_node: ...}")
-    unknown = set(spec) - _REGION_KEYS - {"regions", "links"}
+    unknown = set(spec) - _REGION_KEYS - {"regions", "links", "devices"}
     if unknown:
         raise _fail(where(*key, sorted(unknown)[0]), f"unknown key {sorted(unknown)[0]!r}; expected {sorted(_REGION_KEYS)}")
     for required in ("device", "nodes", "per_node"):
         if required not in spec:
             raise _fail(where(*key), f"missing `{required}`")
     try:
-        device = get_device(str(spec["device"]))
+        device = custom.get(str(spec["device"]).lower()) or get_device(str(spec["device"]))
     except AutoparError as exc:
-        raise _fail(where(*key, "device"), exc.message) from exc
+        hint = f" or one of this file's `devices` ({', '.join(sorted(custom))})" if custom else ""
+        raise _fail(where(*key, "device"), exc.message + hint) from exc
     for count in ("nodes", "per_node"):
         value = spec[count]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

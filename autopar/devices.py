@@ -37,6 +37,7 @@ class DeviceSpec:
     inter_node_latency_s: float
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
+    op_overhead_s: float = 0.0  # fixed time per executed op (dispatch; large for DTensor on CPU)
     source: str = ""
     aliases: tuple[str, ...] = field(default=())
 

@@ -35,11 +35,17 @@ log = logging.getLogger(__name__)
 def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw", solver: str = "cpsat",
               time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
               cluster_layers: bool = True, activation_copies: int = 1, baselines: bool = True,
-              annotate: bool = True) -> Plan:
+              annotate: bool = True, configuration: str | None = None) -> Plan:
     """The best intra-operator plan of ``captured`` over ``cluster``'s devices. A pipeline stage
     is planned the same way on its own group: ``activation_copies`` micro-batches in flight,
     and ``baselines=False`` skips costing the hand-written configurations; ``annotate=False``
-    keeps the cost and saved-activation annotations its nodes already carry."""
+    keeps the cost and saved-activation annotations its nodes already carry.
+    ``configuration`` (a baseline's name: "ddp", "fsdp", "megatron_tp", "tp_dp") returns that
+    hand-written configuration's plan instead of the optimum (to measure it, e.g.)."""
+    if configuration is not None and configuration not in {**BASELINES, **BASELINES_2D}:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"unknown configuration {configuration!r}; choose one of "
+                           f"{', '.join({**BASELINES, **BASELINES_2D})}")
+    baselines = baselines and configuration is None
     if optimizer not in OPTIMIZER_STATES:
         raise AutoparError(ErrorKind.BAD_INPUT,
                            f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZER_STATES)}")
@@ -71,6 +77,15 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             if old is None or entry["feasible"] and (not old["feasible"] or
                                                      entry["predicted_step_s"] < old["predicted_step_s"]):
                 found_baselines[name] = entry
+        if configuration is not None:
+            rule = (BASELINES if len(mesh.shape) == 1 else BASELINES_2D).get(configuration)
+            fixed = rule(index.kinds, _leaf_options(index), _megatron_roles(captured, index),
+                         _batch_dims(captured, index)) if rule else None
+            if fixed is None:  # not expressible on this mesh
+                candidates[order] = {"mesh_shape": list(mesh.shape), "status": "NOT_APPLICABLE",
+                                     "predicted_step_s": None, "bound_s": None}
+                continue
+            problem = dataclasses.replace(problem, fixed=fixed)
         if best is not None and bound >= best[2].objective_s * (1 - 1e-9):
             # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
@@ -158,8 +173,7 @@ def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles, bat
                rules: dict) -> tuple[dict, list[int] | None]:
     """Hand-written configurations as fixed parameter and input placements, the rest optimised
     by the same model. Returns their predictions and the best feasible assignment (a warm start)."""
-    leaf_options = [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
-                    for kind, options in zip(index.kinds, index.strategies)]
+    leaf_options = _leaf_options(index)
     result, best = {}, None
     for name, rule in rules.items():
         fixed = rule(index.kinds, leaf_options, roles, batch_dims)
@@ -169,6 +183,12 @@ def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles, bat
         if feasible and (best is None or solution.objective_s < best.objective_s):
             best = solution
     return result, (best.choice if best else None)
+
+
+def _leaf_options(index: ProblemIndex) -> list[list[str]]:
+    """Placement string of each strategy of every parameter and input node (baselines fix these)."""
+    return [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
+            for kind, options in zip(index.kinds, index.strategies)]
 
 
 def _checked_shape(shape, cluster: Cluster) -> tuple[int, ...]:

@@ -36,11 +36,11 @@ class OpCost:
 
     def time_s(self, device: DeviceSpec, work_split: int = 1) -> float:
         """Roofline time when the work is divided evenly over ``work_split`` devices."""
-        if self.is_view:
-            return 0.0
+        if self.is_view:  # no data moves, but the op is still dispatched
+            return device.op_overhead_s
         compute = self.flops / work_split / (device.flops_per_s(self.dtype) * device.compute_efficiency)
         memory = self.bytes_moved / work_split / (device.memory_bandwidth_Bps * device.memory_efficiency)
-        return max(compute, memory)
+        return max(compute, memory) + device.op_overhead_s
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -128,3 +128,19 @@ def test_explain_a_node(tmp_path):
     assert "vs chosen" in autopar("explain", str(plan), "addmm_1").stdout
     missing = autopar("explain", str(plan), "addmm_99")
     assert missing.returncode == 2 and "no node 'addmm_99'" in missing.stderr
+
+
+def test_profile_writes_a_cluster_file_the_planner_accepts(tmp_path):
+    out = tmp_path / "cpu.yaml"
+    done = autopar("profile", "--out", str(out), "--quick")
+    assert done.returncode == 0, done.stderr
+    assert "GFLOP/s" in done.stdout and out.exists()
+    from autopar.cluster import Cluster
+
+    cluster = Cluster.from_spec(str(out))
+    assert cluster.num_devices == 2 and cluster.device.name == "cpu-local"
+    assert cluster.device.flops_per_s("float32") > 1e8 and cluster.device.memory_bandwidth_Bps > 1e8
+    assert 0 < cluster.intra_link.bandwidth_Bps <= cluster.device.memory_bandwidth_Bps
+    planned = autopar("plan", "models:tiny_mlp", "--cluster", str(out), "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["devices"] == 2

@@ -106,3 +106,24 @@ def test_no_collective_crosses_a_slow_wan_link(tmp_path):
     placements += [o for n in plan.nodes.values() for o in (*n.outputs, *n.inputs) if o]
     for d in wan_dims:
         assert {p.split(",")[d] for p in placements} == {"R"}
+
+
+CUSTOM = """\
+devices:
+  lab-gpu: {peak_TFLOPS: {fp32: 10, bf16: 80}, memory_GB: 24, memory_bandwidth_GBps: 600,
+            intra_node: {bandwidth_GBps: 32, latency_us: 8}}
+device: lab-gpu
+nodes: 1
+per_node: 4
+"""
+
+
+def test_a_file_defines_its_own_device_kind(tmp_path):
+    cluster = Cluster.from_spec(write(tmp_path, CUSTOM))
+    assert cluster.device.name == "lab-gpu" and cluster.num_devices == 4
+    assert cluster.device.flops_per_s("bfloat16") == 80e12 and cluster.device.compute_efficiency == 1.0
+    assert cluster.memory_limit_bytes == 24 * 10**9 and cluster.intra_link.bandwidth_Bps == 32e9
+    with pytest.raises(AutoparError, match=r"cluster.yaml:2: device 'lab-gpu' is missing `memory_GB`"):
+        Cluster.from_spec(write(tmp_path, CUSTOM.replace("memory_GB: 24, ", "")))
+    with pytest.raises(AutoparError, match=r"unknown device 'lab-gpu2'.* or one of this file's `devices` \(lab-gpu\)"):
+        Cluster.from_spec(write(tmp_path, CUSTOM.replace("device: lab-gpu\n", "device: lab-gpu2\n")))

@@ -6,7 +6,8 @@ import importlib
 import pytest
 
 MODULES = ["autopar.cluster", "autopar.mesh", "autopar.comm", "autopar.units", "autopar.errors",
-           "autopar.problem", "autopar.plan", "autopar.devices"]
+           "autopar.problem", "autopar.plan", "autopar.devices", "autopar.profile", "autopar.replica_planner",
+           "autopar.solvers.pipeline"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -239,3 +239,11 @@ def test_cli_plans_stages_and_show_draws_the_timeline(tmp_path):
     assert "pipeline: 2 stages, 4 micro-batches, 1F1B" in shown.stdout
     rows = [line for line in shown.stdout.splitlines() if line.startswith("stage ")]
     assert len(rows) == 2 and all(mark in rows[0] for mark in "0123abcd"), rows
+
+
+def test_auto_mode_skips_families_that_do_not_apply_and_says_why():
+    model, x = GPT(layers=2), torch.randint(0, 64, (3, 16))  # 3 rows: no 2 equal micro-batches
+    plan = autopar.plan(model, (x,), cluster=os.path.join(CLUSTERS, "two_cpu_regions.yaml"))
+    assert plan.baselines["pipeline"]["feasible"] is False
+    assert "cannot be split into 2 or more equal micro-batches" in plan.baselines["pipeline"]["skipped"]
+    assert plan.baselines["uniform_mesh"]["feasible"] and plan.stages == ()

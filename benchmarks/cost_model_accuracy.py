@@ -1,0 +1,150 @@
+"""Cost-model accuracy on this machine: predicted vs measured step time of several plans.
+
+1. ``autopar profile`` measures this machine (or ``--cluster FILE`` gives a profile made before);
+2. for each model, autopar's plan and the hand-written configurations (DDP, FSDP,
+   Megatron-TP) are planned for 2 processes on that profile;
+3. each plan is lowered in a 2-process gloo world and one training step (``pmodel.step``:
+   forward, backward, gradient sync; no optimizer, which the model does not cost) is timed:
+   median of 5 steps after 2 warm-up steps, on rank 0 between barriers.
+
+Prints a table (predicted, measured, ratio), the Spearman rank correlation and the median
+absolute relative error, and for each model whether autopar's plan measured fastest (or
+within 10 % of the fastest). Writes benchmarks/results/cost_model_accuracy.json.
+
+    python benchmarks/cost_model_accuracy.py [--cluster cpu.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "tests")]
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.profile import write_profile  # noqa: E402
+from distributed import run_world  # noqa: E402
+import models  # noqa: E402
+
+CONFIGURATIONS = (None, "ddp", "fsdp", "megatron_tp")
+
+
+def build(name: str):
+    """Model, inputs and target of one benchmark case (same on every rank)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "mlp-1024":
+        return models.MLP(1024, 4096, 1024, 2), (torch.randn(512, 1024, generator=g),), torch.randn(512, 1024, generator=g)
+    if name == "gpt-2L-128":
+        model = models.GPT(vocab=512, d=128, layers=2, heads=4, max_len=64)
+        return model, (torch.randint(0, 512, (16, 64), generator=g),), torch.randint(0, 512, (16, 64), generator=g)
+    if name == "block-256":
+        return models.Block(256, 8), (torch.randn(16, 64, 256, generator=g),), torch.randn(16, 64, 256, generator=g)
+    if name == "convnet":
+        return models.ConvNet(), (torch.randn(256, 3, 16, 16, generator=g),), torch.randint(0, 10, (256,), generator=g)
+    raise ValueError(name)
+
+
+def loss_of(name: str):
+    if name == "gpt-2L-128":
+        return lambda out, t: F.cross_entropy(out.reshape(-1, out.shape[-1]), t.reshape(-1))
+    if name == "convnet":
+        return F.cross_entropy
+    return F.mse_loss
+
+
+def measure(name: str, plan_json: str, warmup: int = 2, steps: int = 5) -> float:
+    """Median seconds of one pmodel.step in this world (runs on every rank; rank 0 reports)."""
+    model, inputs, target = build(name)
+    pmodel = autopar.apply(model, autopar.Plan.from_json(plan_json), loss_fn=loss_of(name))
+    times = []
+    for k in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        pmodel.step(*inputs, target=target)
+        dist.barrier()
+        if k >= warmup:
+            times.append(time.perf_counter() - start)
+        for p in pmodel.parameters():
+            p.grad = None
+    return statistics.median(times)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for position, k in enumerate(order):
+            r[k] = float(position)
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cluster", help="a profile written by `autopar profile` (default: profile now)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = args.cluster or os.path.join(tmp, "cpu.yaml")
+        if not args.cluster:
+            start = time.perf_counter()
+            write_profile(cluster, world=2)
+            print(f"profiled this machine in {time.perf_counter() - start:.1f} s", flush=True)
+        rows = []
+        for name in ("mlp-1024", "gpt-2L-128", "block-256", "convnet"):
+            model, inputs, _ = build(name)
+            seen = {}
+            for configuration in CONFIGURATIONS:
+                try:
+                    plan = autopar.plan(model, inputs, cluster=cluster, configuration=configuration)
+                except autopar.AutoparError as exc:
+                    print(f"{name} {configuration}: {exc.kind.value}", flush=True)
+                    continue
+                key = tuple(sorted((n, p.placement) for n, p in plan.parameters.items()))
+                label = configuration or "autopar"
+                if key in seen:  # same placements as another configuration: measured once
+                    print(f"{name} {label}: same placements as {seen[key]}", flush=True)
+                    continue
+                seen[key] = label
+                measured = run_world(2, measure, name, plan.to_json())
+                row = {"model": name, "plan": label, "predicted_ms": plan.predicted_step_s * 1e3,
+                       "measured_ms": measured * 1e3, "ratio": measured / plan.predicted_step_s}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    predicted = [r["predicted_ms"] for r in rows]
+    measured = [r["measured_ms"] for r in rows]
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    verdicts = {}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        fastest = min(r["measured_ms"] for r in mine)
+        ours = next((r["measured_ms"] for r in mine if r["plan"] == "autopar"), None)
+        verdicts[name] = ours is not None and ours <= 1.10 * fastest
+    summary = {"rows": rows, "spearman": spearman(predicted, measured), "median_abs_rel_error": statistics.median(errors),
+               "autopar_fastest_within_10pct": verdicts}
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "cost_model_accuracy.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\n{'model':12} {'plan':12} {'predicted ms':>13} {'measured ms':>12} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['model']:12} {r['plan']:12} {r['predicted_ms']:13.2f} {r['measured_ms']:12.2f} {r['ratio']:7.2f}")
+    print(f"\nSpearman {summary['spearman']:.3f}, median |error| {100 * summary['median_abs_rel_error']:.1f} %, "
+          f"autopar's plan fastest or within 10 %: {verdicts}")
+
+
+if __name__ == "__main__":
+    main()

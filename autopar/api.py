@@ -28,7 +28,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
          schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
-         configuration: str | None = None) -> Plan:
+         configuration: str | None = None, sparsity: dict[str, float] | None = None) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -40,12 +40,20 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``batch_split`` the
     replicas' rows per group. ``configuration="ddp"`` (or fsdp, megatron_tp, tp_dp) returns
     that hand-written configuration, costed and lowerable like any plan.
+    Embedding tables read by one lookup are planned as sparse parameters (dense all-reduce,
+    all-gather of touched rows, or row-wise sharding): their access density comes from the
+    example inputs' values, or from ``sparsity={"emb.weight": 0.01}`` (fraction of rows one
+    device touches per step), else uniform random access is assumed.
     """
     from autopar.passes.capture import capture
+    from autopar.passes.experts import annotate_experts
+    from autopar.passes.sparse import annotate_lookups
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     start = time.perf_counter()
     captured = capture(model, example_inputs)
+    annotate_lookups(captured, example_inputs, sparsity)
+    annotate_experts(captured, example_inputs)
     capture_s = time.perf_counter() - start
     result = _choose(model, example_inputs, target, captured, pipeline=pipeline, micro_batches=micro_batches,
                      schedule=schedule, replicas=replicas, batch_split=batch_split, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
@@ -138,6 +146,8 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
     and broadcasts the plan, so every rank runs the same one. Options are :func:`plan`'s.
     """
     from autopar.passes.capture import capture
+    from autopar.passes.experts import annotate_experts
+    from autopar.passes.sparse import annotate_lookups
 
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(ErrorKind.WORLD_MISMATCH,
@@ -145,6 +155,8 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
                            "to plan without one use autopar.plan(...)")
     target = Cluster.from_spec(cluster or f"{dist.get_world_size()}xcpu", options.pop("memory_limit", None))
     captured = capture(model, example_inputs)
+    annotate_lookups(captured, example_inputs, options.pop("sparsity", None))
+    annotate_experts(captured, example_inputs)
     payload = [None]
     if dist.get_rank() == 0:
         try:

@@ -69,13 +69,18 @@ class NodePlan:
     alternatives: tuple[dict, ...] = ()
     memory_bytes: int = 0  # per device: this node's outputs kept for backward, as placed
     stage: int = 0  # pipeline stage the node runs in (its placements refer to that stage's mesh)
+    exchange: str = ""  # "sparse_allgather": a lookup that exchanges its table's gradient as touched rows
 
 
 @dataclass(frozen=True)
 class ParameterPlan:
     placement: str
     bytes: int
-    exchange: str  # how its gradient is synchronised: "allreduce", "reduce_scatter", "none"
+    # how its gradient is synchronised: "allreduce", "reduce_scatter"; for sparse tables also
+    # "sparse_allgather" (touched rows), "row_sharded" (lookups routed to row owners), "column_sharded";
+    # for stacked MoE expert weights "expert_parallel" (experts split over devices, tokens moved by
+    # all-to-all) or "expert_tensor_parallel" (each expert's hidden dim split)
+    exchange: str
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,13 @@ class Plan:
     micro_batches: int = 1
     schedule: str | None = None
     bubble: float = 0.0
+    # sparse tables (passes.sparse): {fqn: {rows, row_bytes, lookups, touched_rows, density,
+    # density_source, exchange, bytes_per_step: {method: bytes one device receives}}}
+    sparse: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # MoE layers (passes.experts): {module: {experts, top_k, parameters, placement, exchange,
+    # expert_devices, load, load_source, order, device_load, imbalance, device_load_in_order,
+    # imbalance_in_order}}
+    experts: dict[str, dict[str, Any]] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -187,7 +199,7 @@ class Plan:
                 inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
                 nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"],
                                    v["reshard_s"], tuple(v["alternatives"]), v.get("memory_bytes", 0),
-                                   v.get("stage", 0))
+                                   v.get("stage", 0), v.get("exchange", ""))
                        for k, v in d["nodes"].items()},
                 parameters={k: ParameterPlan(**v) for k, v in d["parameters"].items()},
                 buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],
@@ -197,7 +209,7 @@ class Plan:
                 stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
                 replicas=tuple(StagePlan.from_json(st) for st in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
-                schema_version=version,
+                sparse=d.get("sparse", {}), experts=d.get("experts", {}), schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,

@@ -14,17 +14,19 @@ import logging
 import math
 import time
 
-from autopar.cluster import Cluster
+from autopar.cluster import Cluster, Link
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, mesh_for_shape
 from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_of_path
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
+from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
+from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, exchange_bytes, sparse_exchange_s
 from autopar.passes.strategies import enumerate_strategies
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
@@ -60,6 +62,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     prepared = []
     for order, mesh in enumerate(meshes):
         enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
+        add_sparse_exchange(captured.graph)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated, activation_copies)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
@@ -70,8 +73,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     found_baselines: dict[str, dict] = {}
     for bound, order, mesh, problem, index in sorted(prepared, key=lambda p: p[:2]):
         rules = (BASELINES if len(mesh.shape) == 1 else BASELINES_2D) if baselines else {}
-        found, hint = _baselines(problem, index, engine, _megatron_roles(captured, index), _batch_dims(captured, index),
-                                 rules)
+        found, hint = _baselines(captured, problem, index, engine, rules)
         for name, entry in found.items():  # each baseline keeps its best mesh
             old = found_baselines.get(name)
             if old is None or entry["feasible"] and (not old["feasible"] or
@@ -79,13 +81,12 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                 found_baselines[name] = entry
         if configuration is not None:
             rule = (BASELINES if len(mesh.shape) == 1 else BASELINES_2D).get(configuration)
-            fixed = rule(index.kinds, _leaf_options(index), _megatron_roles(captured, index),
-                         _batch_dims(captured, index)) if rule else None
-            if fixed is None:  # not expressible on this mesh
+            pinned = _baseline_problem(captured, problem, index, configuration, rule) if rule else None
+            if pinned is None:  # not expressible on this mesh
                 candidates[order] = {"mesh_shape": list(mesh.shape), "status": "NOT_APPLICABLE",
                                      "predicted_step_s": None, "bound_s": None}
                 continue
-            problem = dataclasses.replace(problem, fixed=fixed)
+            problem = pinned
         if best is not None and bound >= best[2].objective_s * (1 - 1e-9):
             # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
@@ -103,6 +104,11 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     candidates = [candidates[k] for k in sorted(candidates)]
     for name in (*BASELINES, *BASELINES_2D) if baselines else ():  # e.g. no 2-D mesh on this cluster
         found_baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
+    if best is None and configuration is not None and not lower_bounds:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"configuration {configuration!r} cannot be expressed for this model "
+                           f"on {cluster.describe()} (meshes tried: {[c['mesh_shape'] for c in candidates]}): "
+                           "a placement it needs does not split evenly (e.g. the batch over the data-parallel "
+                           "degree), or the model has none of the layers it parallelises")
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
     mesh, problem, solution, index = best
@@ -130,7 +136,8 @@ def _finite(value: float) -> float | None:
 
 def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]:
     """Linear layers of each repeated layer (or of the whole model), in order of use, alternate
-    column- and row-parallel, as Megatron pairs qkv/proj and fc/out."""
+    column- and row-parallel, as Megatron pairs qkv/proj and fc/out; sparse embedding tables
+    get the role "table"."""
     linear_of: dict[str, str] = {}  # parameter placeholder -> Linear module path
     order: list[str] = []
     for node in captured.graph.nodes:
@@ -147,11 +154,12 @@ def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]
         layer = layer_of_path(path)
         position[path] = counters.get(layer, 0)
         counters[layer] = position[path] + 1
+    tables = {node.args[0].name for node in captured.graph.nodes if LOOKUP_KEY in node.meta}
     roles = []
     for name, kind in zip(index.names, index.kinds):
         path = linear_of.get(name) if kind == "param" else None
         if path is None:
-            roles.append(None)
+            roles.append("table" if kind == "param" and name in tables else None)
             continue
         side = "column" if position[path] % 2 == 0 else "row"
         roles.append(f"{side}_{'weight' if captured.parameter_of[name].endswith('weight') else 'bias'}")
@@ -169,20 +177,44 @@ def _batch_dims(captured: Captured, index: ProblemIndex) -> list[int | None]:
     return dims
 
 
-def _baselines(problem: ShardingProblem, index: ProblemIndex, engine, roles, batch_dims: list[int | None],
-               rules: dict) -> tuple[dict, list[int] | None]:
+def _baselines(captured: Captured, problem: ShardingProblem, index: ProblemIndex, engine, rules: dict
+               ) -> tuple[dict, list[int] | None]:
     """Hand-written configurations as fixed parameter and input placements, the rest optimised
     by the same model. Returns their predictions and the best feasible assignment (a warm start)."""
-    leaf_options = _leaf_options(index)
     result, best = {}, None
     for name, rule in rules.items():
-        fixed = rule(index.kinds, leaf_options, roles, batch_dims)
-        solution = engine.solve(dataclasses.replace(problem, fixed=fixed)) if fixed is not None else None
+        pinned = _baseline_problem(captured, problem, index, name, rule)
+        solution = engine.solve(pinned) if pinned is not None else None
         feasible = solution is not None and bool(solution.choice)
         result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible}
         if feasible and (best is None or solution.objective_s < best.objective_s):
             best = solution
     return result, (best.choice if best else None)
+
+
+def _baseline_problem(captured: Captured, problem: ShardingProblem, index: ProblemIndex, name: str, rule
+                      ) -> ShardingProblem | None:
+    """``problem`` with the configuration ``rule`` fixed; None when it is not expressible.
+    Hand-written configurations are dense: no sparse gradient exchange. DDP also keeps every
+    embedding lookup on its batch shard (table replicated, gradient all-reduced), as
+    DistributedDataParallel does, rather than letting the solver gather the ids."""
+    fixed = rule(index.kinds, _leaf_options(index), _megatron_roles(captured, index), _batch_dims(captured, index))
+    if fixed is None:
+        return None
+    if name == "ddp":
+        lookups = {n.name for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
+        for q, node_name in enumerate(index.names):
+            if node_name in lookups:
+                local = [t for t, s in enumerate(index.strategies[q]) if not s.exchange
+                         and all(p == "R" for p in s.inputs[0]) and all(p == "S(0)" for p in s.inputs[1])]
+                if local:
+                    fixed = {**fixed, q: local[0]}
+    return dataclasses.replace(problem, fixed=fixed, excluded=_sparse_exchanges(index))
+
+
+def _sparse_exchanges(index: ProblemIndex) -> frozenset[tuple[int, int]]:
+    """(node, strategy) of every sparse-exchange lookup: hand-written configurations are dense."""
+    return frozenset((i, t) for i, options in enumerate(index.strategies) for t, s in enumerate(options) if s.exchange)
 
 
 def _leaf_options(index: ProblemIndex) -> list[list[str]]:
@@ -275,8 +307,10 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                     "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
                     "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
                 } for t in others),
-                memory_bytes=problem.node_memory[q][choice])
+                memory_bytes=problem.node_memory[q][choice], exchange=chosen.exchange)
             memory["act"] += problem.node_memory[q][choice]
+    sparse = _sparse_tables(captured, nodes, parameters, mesh)
+    experts = _expert_layers(captured, parameters, mesh)
     compute_total = problem.compute(solution.choice)
     per_copy = memory["param"] // (2 + states)
     return Plan(
@@ -297,8 +331,72 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 "variables_unclustered": _unclustered_variables(problem),
                 "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
                 "distinct_edges": len(problem.edges)},
-        mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines,
+        mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines, sparse=sparse,
+        experts=experts,
     )
+
+
+def _sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: dict[str, ParameterPlan],
+                   mesh: MeshSpec) -> dict[str, dict]:
+    """Each sparse table's access figures and bytes per step by exchange method; sets the
+    table's ``exchange`` to what its lookup chose (in ``parameters``, in place)."""
+    tables = {}
+    for node in captured.graph.nodes:
+        lookup = node.meta.get(LOOKUP_KEY)
+        if lookup is None or node.name not in nodes:
+            continue
+        chosen = nodes[node.name]
+        table = parameters[lookup.parameter]
+        placement = table.placement.split(",")
+        if chosen.exchange:
+            exchange = chosen.exchange
+        elif all(p == "R" for p in placement) and all(p == "R" for p in chosen.inputs[1].split(",")):
+            exchange = "none"  # every device looks up every index: the full gradient is already local
+        elif "S(0)" in placement:
+            exchange = "row_sharded"
+        elif "S(1)" in placement:
+            exchange = "column_sharded"
+        else:
+            exchange = table.exchange
+        parameters[lookup.parameter] = dataclasses.replace(table, exchange=exchange)
+        devices = math.prod(mesh.shape)
+        tables[lookup.parameter] = {
+            "rows": lookup.rows, "row_bytes": lookup.row_bytes, "lookups": lookup.lookups,
+            "touched_rows": lookup.touched_rows(devices), "density": lookup.touched_rows(devices) / lookup.rows,
+            "density_source": lookup.source, "exchange": exchange,
+            "bytes_per_step": exchange_bytes(lookup, devices)}
+    return tables
+
+
+def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], mesh: MeshSpec) -> dict[str, dict]:
+    """Each MoE layer's expert placement and load per device; names the expert weights'
+    ``exchange`` (in ``parameters``, in place)."""
+    layers = {}
+    groups = {id(g): g for n in captured.graph.nodes if (g := n.meta.get(EXPERTS_KEY)) is not None}
+    for group in groups.values():
+        for fqn in group.parameters:
+            split = parameters[fqn].placement.split(",")
+            if "S(0)" in split:
+                exchange = "expert_parallel"
+            elif any(p.startswith("S(") for p in split):
+                exchange = "expert_tensor_parallel"
+            else:
+                continue
+            parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
+        placement = parameters[group.parameters[0]].placement.split(",")
+        expert_devices = math.prod(size for size, p in zip(mesh.shape, placement) if p == "S(0)")
+        load = group.load or (1,) * group.experts
+        divisible = group.experts % expert_devices == 0
+        order = balanced_order(load, expert_devices) if divisible else list(range(group.experts))
+        in_order = device_loads(load, list(range(group.experts)), expert_devices)
+        balanced = device_loads(load, order, expert_devices)
+        layers[group.module] = {
+            "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
+            "placement": ",".join(placement), "exchange": parameters[group.parameters[0]].exchange,
+            "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
+            "order": order, "device_load": balanced, "imbalance": imbalance(balanced),
+            "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}
+    return layers
 
 
 def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "adamw") -> tuple[float, int]:
@@ -306,13 +404,39 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
     ``cluster`` with as many devices (e.g. a plan made without knowing a slow WAN link, costed
     on the real one). Every node keeps its planned strategy; raises BAD_PLAN if a placement is
     not one the model offers on that mesh."""
+    mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
+    problem, _, choice = _planned_problem(captured, plan, cluster, mesh, optimizer)
+    return problem.evaluate(choice), problem.memory(choice)
+
+
+def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> float:
+    """Bytes one device sends per training step under ``plan``: every collective of the plan
+    (reshards, gradient reductions, sparse row exchanges) costed on a link of 1 byte/s
+    without latency, so its time is its volume."""
+    shape = _checked_shape(plan.mesh_shape, cluster)
+    unit = Link(bandwidth_Bps=1.0, latency_s=0.0)
+    mesh = MeshSpec(tuple(shape), ("dp",) if len(shape) == 1 else tuple(f"d{i}" for i in range(len(shape))),
+                    (unit,) * len(shape))
+    problem, index, choice = _planned_problem(captured, plan, cluster, mesh)
+    total = sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in problem.edges)
+    nodes = {n.name: n for n in captured.graph.nodes}
+    for q, name in enumerate(index.names):
+        strategy = index.strategies[q][choice[q]]
+        if strategy.exchange:
+            total += problem.count(q) * sparse_exchange_s(nodes[name].meta[LOOKUP_KEY], strategy, mesh)
+    return total
+
+
+def _planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: MeshSpec, optimizer: str = "adamw"
+                     ) -> tuple[ShardingProblem, ProblemIndex, list[int]]:
+    """The sharding problem of ``captured`` on ``mesh`` and the strategy ``plan`` chose for each node."""
     if plan.stages or plan.replicas:
         raise AutoparError(ErrorKind.BAD_PLAN, "re-costing plans over several device groups is not supported yet; "
                            "re-plan instead")
-    mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
     annotate_costs(captured.graph)
     annotate_saved(captured.graph)
     enumerate_strategies(captured.graph, mesh.shape)
+    add_sparse_exchange(captured.graph)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
@@ -328,9 +452,9 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
                 raise AutoparError(ErrorKind.BAD_PLAN, f"node {name} of this graph is not in the plan (the plan was "
                                    "made for a different graph)")
             match = [t for t, s in enumerate(options) if tuple(_joined(p) for p in s.outputs) == node.outputs
-                     and tuple(_joined(p) for p in s.inputs) == node.inputs]
+                     and tuple(_joined(p) for p in s.inputs) == node.inputs and s.exchange == node.exchange]
         if not match:
             raise AutoparError(ErrorKind.BAD_PLAN, f"node {name}: its planned placement is not available on mesh "
                                f"{list(mesh.shape)} of {cluster.describe()}")
         choice.append(match[0])
-    return problem.evaluate(choice), problem.memory(choice)
+    return problem, index, choice

@@ -57,6 +57,8 @@ class ShardingProblem:
     edges: list[Edge]
     memory_limit_bytes: int
     fixed: dict[int, int] = field(default_factory=dict)  # node -> forced strategy
+    # (node, strategy) pairs the solver may not choose (the dense baselines exclude sparse exchange)
+    excluded: frozenset[tuple[int, int]] = frozenset()
     node_count: list[int] | None = None  # identical graph nodes per problem node (None: all 1)
 
     def count(self, i: int) -> int:

@@ -62,6 +62,10 @@ def summary(plan: Plan) -> str:
         size = sum(plan.parameters[n].bytes for n in names)
         params.add_row(placement, exchange, str(len(names)), format_bytes(size), ", ".join(names[:3]))
     console.print(params)
+    if plan.sparse:
+        console.print(_sparse_table(plan))
+    if plan.experts:
+        console.print(_experts_table(plan))
     ops = Counter(n.op for n in plan.nodes.values() if n.fallback)
     if ops:
         console.print(f"ops run replicated (no DTensor rule): {dict(ops)}")
@@ -186,6 +190,34 @@ def _layers_table(plan: Plan) -> Table:
     table.add_column("placements")
     for group in layer_groups(plan):
         table.add_row(group["layers"], ", ".join(f"{k} {v}" for k, v in group["placements"].items()))
+    return table
+
+
+def _sparse_table(plan: Plan) -> Table:
+    """Parallax's view of each embedding table: how sparse its access is and what each way of
+    exchanging its gradient would move."""
+    table = Table(title="sparse tables: access and bytes per step per device by exchange",
+                  caption="* lookups before pooling: bags summed on the owner move less")
+    for column in ("table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded*"):
+        table.add_column(column, justify="right" if column not in ("table", "from", "chosen") else "left")
+    for fqn, t in sorted(plan.sparse.items()):
+        volumes = t["bytes_per_step"]
+        table.add_row(fqn, f"{t['rows']:,}", f"{t['touched_rows']:,} ({100 * t['density']:.2g}%)",
+                      t["density_source"], t["exchange"],
+                      *(format_bytes(volumes[k]) for k in ("allreduce", "sparse_allgather", "row_sharded")))
+    return table
+
+
+def _experts_table(plan: Plan) -> Table:
+    table = Table(title="mixture-of-experts layers: placement and tokens per device")
+    for column in ("layer", "experts", "top-k", "placement", "chosen", "load from", "max/mean in order",
+                   "max/mean placed", "expert order"):
+        table.add_column(column)
+    for module, layer in sorted(plan.experts.items()):
+        order = layer["order"]
+        shown = "as is" if order == sorted(order) else " ".join(map(str, order[:16])) + (" …" if len(order) > 16 else "")
+        table.add_row(module, str(layer["experts"]), str(layer["top_k"] or "?"), layer["placement"], layer["exchange"],
+                      layer["load_source"], f"{layer['imbalance_in_order']:.2f}", f"{layer['imbalance']:.2f}", shown)
     return table
 
 

@@ -4,8 +4,12 @@ MLP for dense features, pairwise dot-product interaction and a top MLP.
     python examples/dlrm.py --cluster 8xA100-80GB --out dlrm-plan.json
     autopar plan examples.dlrm:build --cluster 8xH100 -o dlrm-plan.json   # the same through the CLI
 
-Until sparsity-aware planning lands, embedding bags have no DTensor sharding rule in torch
-2.13: they run replicated (the plan says so) and the dense part is planned as usual.
+Fixed-size embedding bags become a lookup and a sum (passes.embedding_bag), so every table
+is a sparse parameter the planner places with the dense part in one ILP: dense all-reduce,
+all-gather of the rows each device touched (Parallax), row-wise or column-wise sharding.
+The inputs here are on the meta device, so access is assumed uniform; pass real ids as
+example inputs, or ``sparsity={"embeddings.0.weight": 0.01}``, to plan for real skew.
+`autopar show` lists each table's choice and bytes per step.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from torch import nn
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import TensorSpec
 from autopar.passes.decompose import decompose
+from autopar.passes.embedding_bag import lower_fixed_bags
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
                            "parallelize the model that owns the weights")
     try:
         program = torch.export.export(model, args, strict=False)
+        lower_fixed_bags(program)
         program = decompose(program)
     except AutoparError:
         raise

@@ -70,6 +70,8 @@ def annotate_costs(graph: torch.fx.Graph) -> None:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             flops = float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
         read = sum(tensor_bytes(v) for v in in_vals if isinstance(v, torch.Tensor))
+        if node.target is torch.ops.aten.embedding.default:  # a lookup reads its rows, not the table
+            read = sum(tensor_bytes(v) for v in outs) + tensor_bytes(node.args[1].meta["val"])
         written = sum(tensor_bytes(v) for v in outs)
         dtype = str(outs[0].dtype).removeprefix("torch.") if outs else "float32"
         node.meta[COST_KEY] = OpCost(flops, 0 if view else read, 0 if view else written, view, dtype)

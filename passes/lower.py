@@ -7,6 +7,8 @@ The emitted module is ``ExportedProgram.module()`` with
   * a ``redistribute`` node wherever a consumer was planned with a placement its producer
     does not give (these are the collectives of the plan, visible in ``pmodel.code``);
   * ``replicate_constant`` after factory ops, ``local_call`` for ops with no DTensor rule;
+  * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
+    ``rowwise_embedding`` for lookups in a table sharded by rows;
   * ``to_full`` on every output, so callers get plain full tensors.
 Gradients of parameters are brought to the parameter's placement right after they are
 accumulated (a replicated parameter's partial gradient is all-reduced once per step).
@@ -140,7 +142,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                     moved.meta["val"] = arg.meta.get("val")
                 produced[moved.name] = want
                 node.replace_input_with(arg, moved)
-        if nplan.fallback:
+        if nplan.exchange == "sparse_allgather":  # the lookup exchanges its table's gradient itself
+            node.args = (*node.args[:2], mesh_node, nplan.outputs[0])
+            node.target = runtime.sparse_embedding
+        elif node.target is torch.ops.aten.embedding.default and "S(0)" in nplan.inputs[0]:
+            node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
+            node.target = runtime.rowwise_embedding
+        elif nplan.fallback:
             node.args = (node.target, mesh_node, *node.args)
             node.target = runtime.local_call
         produced[node.name] = nplan.outputs[0] if len(nplan.outputs) == 1 else None
@@ -157,7 +165,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
-                  runtime.to_full, runtime.local_call}
+                  runtime.to_full, runtime.local_call, runtime.sparse_embedding,
+                  runtime.rowwise_embedding}
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -39,6 +39,7 @@ from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.memory import SAVED_KEY
+from autopar.passes.sparse import LOOKUP_KEY, sparse_exchange_s
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, output_vals, tensor_args,
     work_split)
@@ -87,7 +88,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             kind, options = "op", node.meta[STRATEGIES_KEY]
             factor = 3 if node.name in grad_nodes else 1
             op_cost = node.meta[COST_KEY]
-            cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape)) for s in options]
+            cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape))
+                    + (sparse_exchange_s(node.meta[LOOKUP_KEY], s, mesh) if s.exchange else 0.0) for s in options]
             outs = output_vals(node)
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else activation_copies * sum(
@@ -205,7 +207,7 @@ def _edge(i, j, arg, out_index, src_options, dst_options, val, needs_grad, regat
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
     src_keys = [s.outputs[out_index] for s in src_options]
-    dst_keys = [(t.inputs[arg], _split_mask(t)) for t in dst_options]
+    dst_keys = [(t.inputs[arg], _split_mask(t) if not (t.exchange and arg == 0) else ()) for t in dst_options]
     src_classes = sorted(set(src_keys))
     dst_classes = sorted(set(dst_keys))
     nbytes = tensor_bytes(val)
@@ -216,6 +218,9 @@ def _edge(i, j, arg, out_index, src_options, dst_options, val, needs_grad, regat
 
 
 def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
+    """Mesh dims the node's work is split on (a replicated input's gradient arrives partial
+    there). A sparse-exchange lookup syncs its table's gradient itself: its table edge gets
+    the empty mask, as if no dim were split."""
     first = next((p for p in strategy.outputs if p is not None), None)
     if first is None:
         return ()

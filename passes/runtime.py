@@ -7,8 +7,10 @@ by name, e.g. ``redistribute(addmm, self._autopar_mesh, 'R,S(1)')``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._redistribute import Redistribute
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map
 
 from autopar.passes.strategies import parse_placement
@@ -73,3 +75,65 @@ def receive_slice(x: torch.Tensor, lanes, dim: int) -> torch.Tensor:
     receiving group). Backward keeps this lane's slice of the (replicated) gradient."""
     part = DTensor.from_local(x, lanes, [Shard(dim)], run_check=False)
     return part.redistribute(lanes, [Replicate()]).to_local()
+
+
+def sparse_embedding(weight: DTensor, indices: DTensor, mesh, spec: str) -> DTensor:
+    """A lookup in a replicated table whose gradient is exchanged as the rows each rank
+    touched (Parallax's sparse path) instead of an all-reduce of the dense gradient: one
+    all-gather of (row id, row) pairs per mesh dim the indices are split on. Every rank then
+    holds the same full gradient, so the table stays replicated."""
+    groups = [mesh.get_group(d) for d, p in enumerate(indices.placements) if p.is_shard()]
+    local = _SparseLookup.apply(weight.to_local(), indices.to_local(), groups)
+    return DTensor.from_local(local, mesh, placements(spec), run_check=False)
+
+
+def rowwise_embedding(weight: DTensor, indices: DTensor, mesh, spec: str) -> DTensor:
+    """A lookup in a table sharded by rows (Parallax's partitioned parameter server as a
+    collective): each rank looks up the indices its rows own, zeros the others, and the
+    result is a partial sum over the mesh dims the rows are split on (reduced where it is
+    used). The same as DTensor's row-wise rule, whose mask is only applied at that later
+    reduction — too late when views and sums come between. The table's gradient stays local."""
+    local_weight = weight.to_local()
+    _, offsets = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    ids = indices.to_local()
+    mine = (ids >= offsets[0]) & (ids < offsets[0] + local_weight.shape[0])
+    local_ids = torch.where(mine, ids - offsets[0], torch.zeros_like(ids))
+    rows = torch.nn.functional.embedding(local_ids, local_weight) * mine.unsqueeze(-1).to(local_weight.dtype)
+    return DTensor.from_local(rows, mesh, placements(spec), run_check=False)
+
+
+class _SparseLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, ids: torch.Tensor, groups: list):
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.groups = table.shape[0], groups
+        return torch.nn.functional.embedding(ids, table)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        rows, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        values = grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad)
+        for group in ctx.groups:
+            rows, values = _all_gather_rows(rows, values, group)
+        return grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, rows, values), None, None
+
+
+def _all_gather_rows(rows: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's (row ids, rows), concatenated in rank order; pieces differ in size, so
+    they are padded to the largest for the collective."""
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.long, device=rows.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([rows.numel()], device=rows.device), group=group)
+    longest = max(int(s) for s in sizes)
+    padded_rows = torch.zeros(longest, dtype=rows.dtype, device=rows.device)
+    padded_rows[:rows.numel()] = rows
+    padded_values = values.new_zeros(longest, values.shape[1])
+    padded_values[:rows.numel()] = values
+    all_rows = [torch.empty_like(padded_rows) for _ in range(world)]
+    all_values = [torch.empty_like(padded_values) for _ in range(world)]
+    dist.all_gather(all_rows, padded_rows, group=group)
+    dist.all_gather(all_values, padded_values, group=group)
+    return (torch.cat([r[:int(n)] for r, n in zip(all_rows, sizes)]),
+            torch.cat([v[:int(n)] for v, n in zip(all_values, sizes)]))

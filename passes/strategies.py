@@ -55,6 +55,9 @@ class Strategy:
 
     outputs: tuple[tuple[str, ...] | None, ...]
     inputs: tuple[tuple[str, ...], ...]
+    # "" for DTensor's own rules; "sparse_allgather": a lookup that exchanges its table's
+    # gradient as touched rows itself (passes.sparse), so the table's edge carries no gradient
+    exchange: str = ""
 
 
 def placement_str(p) -> str | None:
@@ -186,6 +189,11 @@ def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tupl
     for out_p, in_p in raw:
         outs_s = tuple(None if p is None else placement_str(p) for p in out_p)
         ins_s = tuple(placement_str(p) for p in in_p)
+        if node.target is torch.ops.aten.embedding.default and outs_s == ("P(mask)",):
+            # row-wise lookup: DTensor masks the replicated indices locally (no communication)
+            # and the masked rows make the result a plain partial sum; lowering does both
+            # explicitly (runtime.rowwise_embedding), so plan it as indices R -> output P
+            outs_s, ins_s = ("P",), (ins_s[0], "R")
         if len(ins_s) != len(ins) or any(p is None for p in ins_s) or any(
                 o is None and p is not None for o, p in zip(outs_s, out_p)):
             continue

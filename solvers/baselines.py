@@ -3,7 +3,8 @@ inputs; the ILP fills in the remaining ops, so each baseline is costed by the sa
 
 ``leaf_options[i]`` lists, for problem node i, the placement string of each strategy of a
 parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
-parameter plays ("column_weight", "column_bias", "row_weight", "row_bias" or None);
+parameter plays ("column_weight", "column_bias", "row_weight", "row_bias", "table" for a
+sparse embedding table, or None);
 ``batch_dims[i]`` is the batch dimension of an input (None: the input has no batch dim and
 stays replicated). In the rules, ``B`` stands for "shard on the batch dim".
 ``BASELINES`` are for a 1-D mesh over all devices, ``BASELINES_2D`` for a 2-D mesh whose
@@ -59,17 +60,27 @@ def megatron_tp(kinds: list[str], leaf_options: list[list[str]], roles, batch_di
     """Megatron tensor parallelism over all devices: linear layers alternate column-parallel
     (weight rows and bias sharded) and row-parallel (weight columns sharded, bias replicated);
     everything else replicated, inputs replicated. Infeasible when no linear layer exists."""
-    if not any(roles):
+    if not any(role in MEGATRON_ROLES for role in roles):
         return None
     return _fix(kinds, leaf_options, batch_dims, ["R"], ["R"], roles, MEGATRON_ROLES)
 
 
-BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp}
+def row_wise(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
+    """Every sparse embedding table sharded by rows (replicated when its rows do not split
+    evenly; lookups routed to the owner of each row,
+    TorchRec's row-wise sharding), dense parameters replicated, batch split. Not applicable
+    to a model without sparse tables."""
+    if "table" not in roles:
+        return None
+    return _fix(kinds, leaf_options, batch_dims, ["R"], ["B"], roles, {"table": ["S(0)", "R"]})
+
+
+BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp, "row_wise": row_wise}
 
 
 def tp_dp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
     """Megatron inside a host (inner mesh dim) × data parallel across hosts (outer dim)."""
-    if not any(roles):
+    if not any(role in MEGATRON_ROLES for role in roles):
         return None
     by_role = {role: [f"R,{p[0]}"] for role, p in MEGATRON_ROLES.items()}
     return _fix(kinds, leaf_options, batch_dims, ["R,R"], ["B,R"], roles, by_role)

@@ -59,7 +59,7 @@ class CpSatSolver:
         start = time.perf_counter()
         if self.relaxation_first:
             relaxation = self._relaxation_of(problem)
-            relaxed = relaxation.solve(problem.fixed, self.time_limit_s)
+            relaxed = relaxation.solve(problem.fixed, self.time_limit_s, excluded=problem.excluded)
             if relaxed.status == "INTEGRAL" and problem.feasible(relaxed.choice):
                 objective = problem.evaluate(relaxed.choice)
                 elapsed = time.perf_counter() - start
@@ -74,7 +74,8 @@ class CpSatSolver:
         """Optimum of the LP relaxation (``inf`` when even that is infeasible)."""
         if problem.min_memory() > problem.memory_limit_bytes:
             return math.inf
-        relaxed = self._relaxation_of(problem).solve(problem.fixed, self.time_limit_s, least_memory=False)
+        relaxed = self._relaxation_of(problem).solve(problem.fixed, self.time_limit_s, least_memory=False,
+                                                     excluded=problem.excluded)
         return relaxed.bound_s
 
     def _relaxation_of(self, problem: ShardingProblem) -> LpRelaxation:
@@ -94,6 +95,8 @@ class CpSatSolver:
         self._memory(model, problem, x)
         for i, s in problem.fixed.items():
             model.add(x[i][s] == 1)
+        for i, s in problem.excluded:
+            model.add(x[i][s] == 0)
         largest = max((c for _, c in terms), default=0.0)
         scale = _SCALE_TARGET / largest if largest > 0 else 1.0
         model.minimize(sum(round(c * scale) * var for var, c in terms))

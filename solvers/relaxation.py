@@ -91,11 +91,15 @@ class LpRelaxation:
     def size(self) -> tuple[int, int]:
         return self.solver.NumVariables(), self.solver.NumConstraints()
 
-    def solve(self, fixed: dict[int, int], time_limit_s: float, least_memory: bool = True) -> RelaxedSolution:
-        """``least_memory``: when integral, break ties in time by memory (a second LP)."""
+    def solve(self, fixed: dict[int, int], time_limit_s: float, least_memory: bool = True,
+              excluded: frozenset[tuple[int, int]] = frozenset()) -> RelaxedSolution:
+        """``least_memory``: when integral, break ties in time by memory (a second LP).
+        ``excluded``: (node, strategy) pairs held at 0."""
         for i, s in fixed.items():
             self.x[i][s].SetLb(1.0)
-        key = tuple(sorted(fixed.items()))
+        for i, s in excluded:
+            self.x[i][s].SetUb(0.0)
+        key = (tuple(sorted(fixed.items())), tuple(sorted(excluded)))
         if self._last is not None and self._last[0] == key:  # lower_bound() then solve(): no re-solve
             code, values, bound = self._last[1:]
         else:
@@ -107,6 +111,8 @@ class LpRelaxation:
             values = self._least_memory(bound, time_limit_s) or values
         for i, s in fixed.items():  # only after reading the solution: a change discards it
             self.x[i][s].SetLb(0.0)
+        for i, s in excluded:
+            self.x[i][s].SetUb(1.0)
         if code == pywraplp.Solver.INFEASIBLE:
             return RelaxedSolution("INFEASIBLE", float("inf"), None, None)
         if code != pywraplp.Solver.OPTIMAL:

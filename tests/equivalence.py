@@ -34,6 +34,9 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     if model_name.startswith("zoo:"):  # a third-party model with its own example inputs
         import zoo
         model, raw_inputs = zoo.build(model_name.removeprefix("zoo:"))
+    elif input_kind == "dlrm":
+        model = models.DLRM(**kwargs)
+        raw_inputs = models.dlrm_inputs(model, batch)
     else:
         model, raw_inputs = getattr(models, model_name)(**kwargs), _inputs(input_kind, batch)
     model = model.to(getattr(torch, dtype))
@@ -78,7 +81,20 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
             errors["param"], errors["param_worst"] = diff, name
     errors["placements"] = sorted({str(tuple(p.placements)) for p in params.values()})
     errors["redistributes"] = pmodel.code.count("redistribute(")
+    errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
     return errors
+
+
+def assert_equivalent(cases: list, results: list, bound=lambda case, key: 1e-5) -> set[str]:
+    """Every case's errors within ``bound(case, key)`` and no gradient missing; returns the
+    gradient exchanges the plans used (``ParameterPlan.exchange``)."""
+    exchanges = set()
+    for case, errors in zip(cases, results, strict=True):
+        for key in ("output", "loss", "grad", "param"):
+            assert errors[key] <= bound(case, key), (case[0], case[1], case[4], key, errors)
+        assert "missing_grad" not in errors, (case, errors)
+        exchanges |= set(errors["exchanges"])
+    return exchanges
 
 
 def run_cases(cases: list, contract: bool = False) -> list:

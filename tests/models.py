@@ -35,12 +35,18 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * d, d)
 
     def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        return x + self.feed_forward(self.ln2(x))
+
+    def attention(self, x):
         b, t, c = x.shape  # (B, T, C)
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C/H)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def feed_forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
 
 
 class GPT(nn.Module):
@@ -55,6 +61,71 @@ class GPT(nn.Module):
     def forward(self, idx):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts in GShard's grouped form, so every shape is fixed: the tokens are
+    cut into ``groups``; in each group every expert takes at most ``capacity`` tokens (first
+    choices queue before second choices, overflow is dropped); one-hot dispatch and combine
+    tensors move tokens to expert slots and back; the experts are stacked weights (E, d, h)
+    applied by batched matmuls."""
+
+    def __init__(self, d: int = 32, hidden: int = 64, experts: int = 4, top_k: int = 2, groups: int = 4,
+                 capacity_factor: float = 1.5) -> None:
+        super().__init__()
+        self.experts, self.top_k, self.groups, self.capacity_factor = experts, top_k, groups, capacity_factor
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d, hidden) * d ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, d) * hidden ** -0.5)
+
+    def forward(self, x):  # (B, T, d)
+        b, t, d = x.shape
+        tokens = x.reshape(self.groups, b * t // self.groups, d)  # (G, S, d)
+        s, e, k = tokens.shape[1], self.experts, self.top_k
+        capacity = max(1, int(self.capacity_factor * k * s / e))
+        probs = self.router(tokens).softmax(-1)  # (G, S, E)
+        weights, chosen = probs.topk(k, dim=-1)  # (G, S, k)
+        choice = F.one_hot(chosen, e).to(x.dtype).transpose(1, 2).reshape(self.groups, k * s, e)  # first choices first
+        slot = (choice.cumsum(1) - 1) * choice  # queue position of each (token, choice) at its expert
+        slots = torch.arange(capacity, device=x.device)
+        dispatch = choice.unsqueeze(-1) * (slot.unsqueeze(-1) == slots).to(x.dtype)  # (G, kS, E, C)
+        dispatch = dispatch.reshape(self.groups, k, s, e, capacity).sum(1)  # (G, S, E, C)
+        gates = (weights.unsqueeze(-1) * F.one_hot(chosen, e).to(x.dtype)).sum(2)  # (G, S, E)
+        combine = gates.unsqueeze(-1) * dispatch
+        expert_in = torch.einsum("gsec,gsd->egcd", dispatch, tokens)  # (E, G, C, d)
+        hidden = F.gelu(torch.einsum("egcd,edh->egch", expert_in, self.w_in))
+        expert_out = torch.einsum("egch,ehd->egcd", hidden, self.w_out)
+        return torch.einsum("gsec,egcd->gsd", combine, expert_out).reshape(b, t, d)
+
+
+class MoEBlock(Block):
+    """Pre-norm transformer block whose feed-forward is a mixture of experts."""
+
+    def __init__(self, d: int = 32, heads: int = 4, experts: int = 4, hidden: int = 64, groups: int = 4) -> None:
+        super().__init__(d, heads)
+        del self.fc, self.out
+        self.moe = MoE(d, hidden, experts, groups=groups)
+
+    def feed_forward(self, x):
+        return self.moe(x)
+
+
+class MoEGPT(nn.Module):
+    """A small MoE transformer: token embedding, MoE blocks, head."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, experts: int = 4, hidden: int = 64,
+                 groups: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
@@ -83,3 +154,32 @@ def tiny_gpt():
     """Factory for CLI tests of pipeline plans: ``autopar plan models:tiny_gpt``."""
     torch.manual_seed(0)
     return GPT(layers=4), (torch.randint(0, 64, (8, 16)),)
+
+
+class DLRM(nn.Module):
+    """DLRM-like: embedding-bag tables of different sizes (fixed bags), a bottom MLP for dense
+    features, pairwise dot-product interaction and a top MLP."""
+
+    def __init__(self, tables: tuple[int, ...] = (4096, 1024, 64, 16), dim: int = 8, dense: int = 4,
+                 hidden: int = 16) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.embeddings = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum") for rows in tables)
+        pairs = (len(tables) + 1) * len(tables) // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.tables = tables
+
+    def forward(self, dense, ids):  # dense (B, F); ids (T, B, L)
+        x = self.bottom(dense)
+        features = torch.stack([x] + [emb(i) for emb, i in zip(self.embeddings, ids)], dim=1)
+        scores = torch.bmm(features, features.transpose(1, 2))
+        i, j = torch.triu_indices(features.shape[1], features.shape[1], offset=1)
+        return self.top(torch.cat([x, scores[:, i, j]], dim=1))
+
+
+def dlrm_inputs(model: DLRM, batch: int = 8, bag: int = 4, seed: int = 1, hot: int = 6) -> tuple:
+    """Dense features and ids drawn from ``hot`` rows spread over each table (skewed access)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randint(0, min(hot, rows), (batch, bag), generator=g) * (rows // min(hot, rows))
+                       for rows in model.tables])
+    return torch.randn(batch, model.bottom[0].in_features, generator=g), ids

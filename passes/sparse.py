@@ -1,0 +1,164 @@
+"""Sparse parameters (embedding tables) and how their gradients are exchanged — Parallax-style.
+
+A table read only through ``aten.embedding`` gets a gradient with nonzero rows only where the
+step's indices point. Parallax (Kim et al., EuroSys 2019) showed that exchanging only those
+rows beats all-reducing the dense gradient by a wide margin when the access density α is
+small. Per device and step, for a table of ``w`` bytes over ``n`` data-parallel devices
+(ring all-reduce; all-gather of the rows each device touched):
+
+    dense all-reduce      2·(n−1)/n · w
+    sparse all-gather     (n−1) · u · (row bytes + 8)      u = rows one device touches (α·rows)
+    row-wise sharded      no gradient exchange: lookups are routed to the owner of each row
+                          (DTensor's ``Shard(0)`` rule: the lookup result is a masked partial
+                          sum, reduced where it is used; its cost is on those edges)
+
+Row-wise sharding is one of DTensor's own embedding strategies, so the ILP already weighs it.
+This pass adds the sparse all-gather: every data-parallel strategy of a lookup (table
+replicated, indices sharded) gets a twin whose table gradient is exchanged sparsely by the
+op itself (``Strategy.exchange``), with the all-gather on the node and no partial gradient
+on the table's edge; the solver picks per table under the same memory limits.
+
+The number of rows one device touches comes from, in order: the user (``sparsity={fqn: α}``,
+α = fraction of the table's rows one device touches per step); the example inputs (the index
+computation is evaluated on the real values, split like the batch, and the busiest device
+counts, since an all-gather waits for the largest piece); else uniform random access
+(expected distinct rows of k draws from R: R·(1 − (1 − 1/R)^k)).
+
+Writes ``node.meta["autopar.lookup"] = Lookup(...)`` on lookup nodes of sparse tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from autopar.cluster import Link
+from autopar.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from autopar.errors import AutoparError, ErrorKind
+from autopar.mesh import MeshSpec
+from autopar.passes.capture import Captured
+from autopar.passes.strategies import STRATEGIES_KEY, Strategy
+from autopar.passes.values import evaluate, real_values
+
+LOOKUP_KEY = "autopar.lookup"
+SPARSE_ALLGATHER = "sparse_allgather"
+INDEX_BYTES = 8  # int64 row ids travel with the rows
+_UNIT = Link(bandwidth_Bps=1.0, latency_s=0.0)  # a collective's time on this link is its volume in bytes
+
+
+@dataclass(eq=False)
+class Lookup:
+    """One embedding lookup of a sparse table."""
+
+    parameter: str  # the table's FQN
+    rows: int
+    row_bytes: int
+    lookups: int  # indices per step, whole batch
+    density: float | None = None  # user's α: fraction of rows one device touches per step
+    indices: torch.Tensor | None = None  # the lookup's real index values, when the inputs had them
+    _touched: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def table_bytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def source(self) -> str:
+        return "user" if self.density is not None else "inputs" if self.indices is not None else "uniform"
+
+    def touched_rows(self, shards: int, dim: int = 0) -> int:
+        """Distinct rows the busiest of ``shards`` devices touches when the indices are split
+        on tensor dim ``dim``."""
+        key = (shards, dim)
+        if key not in self._touched:
+            if self.density is not None:
+                touched = math.ceil(self.density * self.rows)
+            elif self.indices is not None and self.indices.dim() > dim and self.indices.shape[dim] >= shards:
+                touched = max(int(piece.unique().numel()) for piece in self.indices.chunk(shards, dim))
+            else:
+                draws = self.lookups / shards
+                touched = math.ceil(self.rows * -math.expm1(draws * math.log1p(-1 / self.rows))) if self.rows > 1 else 1
+            self._touched[key] = max(1, min(self.rows, touched))
+        return self._touched[key]
+
+
+def annotate_lookups(captured: Captured, example_inputs=None, sparsity: dict[str, float] | None = None) -> None:
+    """Find sparse tables (parameters whose only use is one embedding lookup) and attach a
+    :class:`Lookup` to that lookup. ``example_inputs`` with real values give the access
+    pattern; ``sparsity`` (FQN → α in (0, 1]) overrides it."""
+    sparsity = dict(sparsity or {})
+    for fqn, alpha in sparsity.items():
+        if not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"sparsity[{fqn!r}] = {alpha!r}: the access density must be a "
+                               "fraction of the table's rows in (0, 1]")
+    graph = captured.graph
+    values = real_values(captured, example_inputs)
+    found = set()
+    aliases = captured.aliases
+    for node in graph.nodes:
+        fqn = captured.parameter_of.get(node.name)
+        if fqn is None or fqn in aliases or len(node.users) != 1:
+            continue
+        (user,) = node.users
+        if user.target is not torch.ops.aten.embedding.default or user.args[0] is not node or len(user.args) > 2:
+            continue  # padding_idx / scale_grad_by_freq lookups keep the dense path
+        weight, ids = node.meta["val"], user.args[1].meta["val"]
+        user.meta[LOOKUP_KEY] = Lookup(fqn, weight.shape[0], weight[0].numel() * weight.element_size(), ids.numel(),
+                                       sparsity.get(fqn), evaluate(user.args[1], values))
+        found.add(fqn)
+    unknown = sorted(set(sparsity) - found)
+    if unknown:
+        tables = sorted(found) or ["(none: the model has no table read only through one embedding lookup)"]
+        raise AutoparError(ErrorKind.BAD_INPUT, f"sparsity names {', '.join(unknown)}, which is not a sparse table "
+                           f"of this model; sparse tables: {', '.join(tables)}")
+
+
+def _split_dims(strategy: Strategy) -> list[tuple[int, int]]:
+    """(mesh dim, tensor dim) where the lookup's indices are sharded."""
+    return [(d, int(p[2:-1])) for d, p in enumerate(strategy.inputs[1]) if p.startswith("S(")]
+
+
+def add_sparse_exchange(graph: torch.fx.Graph) -> None:
+    """Give every data-parallel strategy of a sparse lookup (table replicated, indices split,
+    nothing partial) a twin that exchanges the table's gradient as touched rows."""
+    for node in graph.nodes:
+        if LOOKUP_KEY not in node.meta or STRATEGIES_KEY not in node.meta:
+            continue
+        strategies = [s for s in node.meta[STRATEGIES_KEY] if not s.exchange]
+        twins = [dataclasses.replace(s, exchange=SPARSE_ALLGATHER) for s in strategies
+                 if all(p == "R" for p in s.inputs[0]) and _split_dims(s)
+                 and not any(p.startswith("P") for p in (*(s.outputs[0] or ()), *s.inputs[1]))]
+        node.meta[STRATEGIES_KEY] = strategies + twins
+
+
+def sparse_exchange_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None) -> float:
+    """Time of the twin's gradient exchange: one all-gather of (row id, row) pairs per mesh dim
+    the indices are split on, innermost first; each gathers what the previous one collected."""
+    links = links or mesh.links
+    dims = _split_dims(strategy)
+    shards = math.prod(mesh.shape[d] for d, _ in dims)
+    rows = lookup.touched_rows(shards, dims[0][1])
+    total = 0.0
+    for d, _ in sorted(dims, reverse=True):
+        n = mesh.shape[d]
+        total += all_gather_s(n * rows * (lookup.row_bytes + INDEX_BYTES), n, links[d])
+        rows *= n
+    return total
+
+
+def exchange_bytes(lookup: Lookup, devices: int) -> dict[str, float]:
+    """Bytes one device receives per step for the table over ``devices`` data-parallel devices,
+    by method — the cost model's own collectives on a link of 1 byte/s without latency, so
+    these are its volumes (the closed forms of the module docstring). Row-wise sharding moves
+    lookups instead of gradients: the indices are gathered, the lookup results reduced to
+    their batch shard and their gradients gathered back."""
+    flat = MeshSpec((devices,), ("dp",), (_UNIT,))
+    twin = Strategy((("S(0)",),), (("R",), ("S(0)",)), exchange=SPARSE_ALLGATHER)
+    results = lookup.lookups * lookup.row_bytes
+    return {"allreduce": all_reduce_s(lookup.table_bytes, devices, _UNIT),
+            SPARSE_ALLGATHER: sparse_exchange_s(lookup, twin, flat),
+            "row_sharded": (all_gather_s(lookup.lookups * INDEX_BYTES, devices, _UNIT)
+                            + reduce_scatter_s(results, devices, _UNIT) + all_gather_s(results, devices, _UNIT))}

@@ -28,7 +28,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
          schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
-         configuration: str | None = None, sparsity: dict[str, float] | None = None) -> Plan:
+         configuration: str | None = None, sparsity: dict[str, float] | None = None,
+         symbolic: bool = False) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -44,6 +45,9 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     all-gather of touched rows, or row-wise sharding): their access density comes from the
     example inputs' values, or from ``sparsity={"emb.weight": 0.01}`` (fraction of rows one
     device touches per step), else uniform random access is assumed.
+    ``symbolic=True`` also traces the model at 2–4× the batch and stores the step time as a
+    formula of the batch size, so ``plan.predict(batch_size=…)`` re-costs the plan without
+    the model (one mesh only; not for pipeline or replica plans).
     """
     from autopar.passes.capture import capture
     from autopar.passes.experts import annotate_experts
@@ -59,6 +63,22 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
                      schedule=schedule, replicas=replicas, batch_split=batch_split, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
                      mesh_shape=mesh_shape, cluster_layers=cluster_layers, configuration=configuration)
     result.timings["capture_s"] = capture_s
+    if symbolic:
+        result = _with_symbolic_costs(result, captured, target, model, example_inputs)
+    return result
+
+
+def _with_symbolic_costs(result: Plan, captured, target: Cluster, model: nn.Module, example_inputs) -> Plan:
+    from autopar.planner import symbolic_costs
+
+    if result.stages or result.replicas:
+        raise AutoparError(ErrorKind.BAD_INPUT, "symbolic costs are made for plans over one mesh; this plan uses "
+                           f"{'pipeline stages' if result.stages else 'replicas'} — plan with pipeline=False, "
+                           "replicas=False, or re-plan each batch size")
+    start = time.perf_counter()
+    timings = result.timings
+    result = dataclasses.replace(result, symbolic=symbolic_costs(captured, result, target, model, example_inputs))
+    object.__setattr__(result, "timings", {**timings, "symbolic_s": time.perf_counter() - start})
     return result
 
 
@@ -133,7 +153,10 @@ def _capture_for(model: nn.Module, plan: Plan):
     """Capture ``model`` on zeros shaped like the plan's inputs (one micro-batch for a pipeline)."""
     from autopar.passes.capture import capture
 
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    from autopar.passes.materialize import on_meta
+
+    device = torch.device("meta") if on_meta(model) else next(
+        (p.device for p in model.parameters()), torch.device("cpu"))
     inputs = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device) for spec in plan.inputs)
     return capture(model, inputs)
 

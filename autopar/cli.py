@@ -16,7 +16,8 @@ from autopar.errors import AutoparError, ErrorKind
 
 EXAMPLES = {
     "plan": "autopar plan examples.gpt:build --cluster 2x8xH100 -o plan.json\n"
-            "autopar plan model.pt2 --cluster 8xH100 --input tokens=8x1024:int64 --json",
+            "autopar plan model.pt2 --cluster 8xH100 --input tokens=8x1024:int64 --json\n"
+            "autopar plan examples.gpt:build --cluster 8xH100 --pipeline off --batch-size 8,16,32",
     "show": "autopar show plan.json\nautopar show plan.json --json\nautopar show plan.json --html report.html",
     "devices": "autopar devices --json",
     "explain": "autopar explain plan.json addmm_3\nautopar explain plan.json addmm_3 --json",
@@ -136,10 +137,21 @@ def _cmd_plan(args) -> int:
                         pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
-                        batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None)
+                        batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None,
+                        symbolic=bool(args.batch_size))
     if args.output:
         plan.save(args.output)
-    print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
+    result = summary_json(plan)
+    if args.batch_size:  # the plan re-costed from its formulas: no re-tracing
+        result["batch_sweep"] = [{"batch_size": b, "predicted_step_s": plan.predict(b),
+                                  "samples_per_s": b / plan.predict(b)} for b in args.batch_size]
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(summary(plan))
+        for row in result.get("batch_sweep", []):
+            print(f"batch {row['batch_size']}: predicted step {row['predicted_step_s'] * 1e3:.4g} ms, "
+                  f"{row['samples_per_s']:.4g} samples/s")
     return 0
 
 
@@ -228,6 +240,16 @@ def _cmd_profile(args) -> int:
     return 0
 
 
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes, e.g. 8,16,32")
+    if any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
                    help="data-parallel replicas on the cluster's regions, the batch split by their speed")
     p.add_argument("--batch-split", help="rows of the batch per region for replicas, e.g. 6,2")
+    p.add_argument("--batch-size", type=_batch_sizes, metavar="B,B,...",
+                   help="also store the step time as a formula of the batch size and predict it at these "
+                        "sizes, e.g. 8,16,32 (no re-tracing; the JSON gets batch_sweep)")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     p.add_argument("--json", action="store_true", help="print the machine-readable summary")
@@ -305,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     except AutoparError as exc:
         print(f"autopar {args.command}: {exc}", file=sys.stderr)
         return 2 if exc.kind in (ErrorKind.BAD_INPUT, ErrorKind.BAD_CLUSTER) else 1
+    except KeyboardInterrupt:  # files are written atomically at the end: nothing half-written exists
+        print(f"autopar {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

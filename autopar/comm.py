@@ -23,6 +23,28 @@ from __future__ import annotations
 from autopar.cluster import Link
 
 
+def _symbolic(x) -> bool:
+    return type(x).__module__.startswith("sympy")
+
+
+def smallest(a, b):
+    """min() that also takes sympy expressions (symbolic costs, passes.symbolic)."""
+    if not (_symbolic(a) or _symbolic(b)):
+        return min(a, b)
+    import sympy
+
+    return sympy.Min(a, b)
+
+
+def largest(a, b):
+    """max() that also takes sympy expressions."""
+    if not (_symbolic(a) or _symbolic(b)):
+        return max(a, b)
+    import sympy
+
+    return sympy.Max(a, b)
+
+
 def _log2(n: int) -> int:
     return max(1, (n - 1).bit_length())  # ⌈log2 n⌉ rounds
 
@@ -34,7 +56,7 @@ def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
         return 0.0
     ring = 2 * (n - 1) / n * nbytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s
     tree = 2 * nbytes / link.bandwidth_Bps + 2 * _log2(n) * link.latency_s
-    return min(ring, tree)
+    return smallest(ring, tree)
 
 
 def all_gather_s(nbytes: float, n: int, link: Link) -> float:

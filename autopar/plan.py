@@ -160,6 +160,10 @@ class Plan:
     # expert_devices, load, load_source, order, device_load, imbalance, device_load_in_order,
     # imbalance_in_order}}
     experts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # symbolic costs (passes.symbolic): {symbol, traced_batch, batch_inputs, step_s (sympy
+    # text of the step time in the batch size), nodes: {name: {flops, bytes}}}; empty when the
+    # plan was made without them
+    symbolic: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -169,6 +173,33 @@ class Plan:
         for s in self.mesh_shape:
             n *= s
         return n
+
+    def predict(self, batch_size: int | None = None) -> float:
+        """Predicted step time in seconds at ``batch_size`` (the traced batch when None),
+        from the plan's symbolic costs: no model, no tracing. Raises BAD_INPUT when the plan
+        has no symbolic costs or its placements cannot split that batch."""
+        if batch_size is None:
+            return self.predicted_step_s
+        if not self.symbolic:
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               "this plan was made without symbolic costs; plan with autopar.plan(..., "
+                               "symbolic=True) or `autopar plan --batch-size ...` to predict other batch sizes")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"batch_size must be a positive integer, got {batch_size!r}")
+        for name in self.symbolic["batch_inputs"]:
+            placement = self.nodes[name].outputs[0].split(",") if name in self.nodes else []
+            shards = 1
+            for size, p in zip(self.mesh_shape, placement):
+                shards *= size if p == "S(0)" else 1
+            if batch_size % shards:
+                raise AutoparError(ErrorKind.BAD_INPUT,
+                                   f"batch {batch_size} does not split over the {shards} devices that share input "
+                                   f"{name}'s batch dim in this plan; use a multiple of {shards}")
+        import sympy
+
+        symbol = sympy.Symbol(self.symbolic["symbol"], positive=True, integer=True)
+        step = sympy.sympify(self.symbolic["step_s"], locals={self.symbolic["symbol"]: symbol})
+        return float(step.subs(symbol, batch_size))
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -209,7 +240,8 @@ class Plan:
                 stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
                 replicas=tuple(StagePlan.from_json(st) for st in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
-                sparse=d.get("sparse", {}), experts=d.get("experts", {}), schema_version=version,
+                sparse=d.get("sparse", {}), experts=d.get("experts", {}),
+                symbolic=d.get("symbolic", {}), schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,

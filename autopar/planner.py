@@ -14,6 +14,8 @@ import logging
 import math
 import time
 
+import sympy
+
 from autopar.cluster import Cluster, Link
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, mesh_for_shape
@@ -28,6 +30,7 @@ from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
 from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, exchange_bytes, sparse_exchange_s
 from autopar.passes.strategies import enumerate_strategies
+from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
@@ -427,8 +430,22 @@ def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> flo
     return total
 
 
-def _planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: MeshSpec, optimizer: str = "adamw"
-                     ) -> tuple[ShardingProblem, ProblemIndex, list[int]]:
+def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, example_inputs) -> dict:
+    """``plan``'s step time as a sympy expression in the batch size (passes.symbolic), with
+    each op's FLOPs and bytes as formulas; goes into ``plan.symbolic``."""
+    b0 = annotate_symbolic(captured, model, example_inputs)
+    mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
+    problem, _, choice = _planned_problem(captured, plan, cluster, mesh, plan.options.get("optimizer", "adamw"),
+                                          symbolic=True)
+    step = sympy.nsimplify(0) + problem.evaluate(choice)
+    nodes = {n.name: formula(n) for n in captured.graph.nodes if n.name in plan.nodes and n.op == "call_function"}
+    batch_inputs = [spec.name for spec in plan.inputs if spec.shape and spec.shape[0] == b0]
+    return {"symbol": str(BATCH), "traced_batch": b0, "batch_inputs": batch_inputs, "step_s": str(step),
+            "nodes": nodes}
+
+
+def _planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: MeshSpec, optimizer: str = "adamw",
+                     symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex, list[int]]:
     """The sharding problem of ``captured`` on ``mesh`` and the strategy ``plan`` chose for each node."""
     if plan.stages or plan.replicas:
         raise AutoparError(ErrorKind.BAD_PLAN, "re-costing plans over several device groups is not supported yet; "
@@ -437,7 +454,8 @@ def _planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mes
     annotate_saved(captured.graph)
     enumerate_strategies(captured.graph, mesh.shape)
     add_sparse_exchange(captured.graph)
-    problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer)
+    problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
+                                   symbolic=symbolic)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

@@ -281,7 +281,10 @@ def explain(plan: Plan, node: str) -> dict:
     for alt in n.alternatives:
         total = alt["compute_s"] + alt["reshard_s"]
         rows.append({"chosen": False, **alt, "slower_by_s": total - chosen_total})
-    return {"node": node, "op": n.op, "fallback": n.fallback, "candidates": rows}
+    result = {"node": node, "op": n.op, "fallback": n.fallback, "candidates": rows}
+    if node in plan.symbolic.get("nodes", {}):
+        result["formula"] = plan.symbolic["nodes"][node]  # FLOPs and bytes in the batch size
+    return result
 
 
 def explain_text(e: dict) -> str:
@@ -298,4 +301,7 @@ def explain_text(e: dict) -> str:
                       " ".join(row["inputs"]), format_seconds(row["compute_s"]), format_seconds(row["reshard_s"]),
                       format_bytes(row["memory_delta_bytes"]), why)
     console.print(table)
+    if e.get("formula"):
+        console.print(f"as a function of the batch size: FLOPs = {e['formula']['flops']}, "
+                      f"bytes moved = {e['formula']['bytes']}")
     return out.getvalue()

@@ -17,6 +17,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
+from autopar.comm import largest
 from autopar.devices import DeviceSpec
 
 COST_KEY = "autopar.cost"
@@ -40,7 +41,7 @@ class OpCost:
             return device.op_overhead_s
         compute = self.flops / work_split / (device.flops_per_s(self.dtype) * device.compute_efficiency)
         memory = self.bytes_moved / work_split / (device.memory_bandwidth_Bps * device.memory_efficiency)
-        return max(compute, memory) + device.op_overhead_s
+        return largest(compute, memory) + device.op_overhead_s
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -29,6 +29,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
+from autopar.passes.materialize import check_initialisable, materialized, on_meta
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -58,6 +59,8 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
 def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
                       captured: Captured, sync_on_accumulate: bool) -> None:
     source = dict(model.named_parameters())
+    if on_meta(model):  # materialise one module at a time, keeping only this rank's shards
+        source = _shards_from_meta(gm, plan, mesh, model, captured.aliases)
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
     alias_of = captured.aliases
@@ -79,19 +82,42 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         owner, attr = _owner(gm, fqn)
         original = getattr(owner, attr)
         full = source[fqn].detach() if fqn in source else original.detach()
-        param = nn.Parameter(distribute_tensor(full, mesh, runtime.placements(pplan.placement)),
-                             requires_grad=original.requires_grad)
+        placed_value = full if isinstance(full, DTensor) else distribute_tensor(
+            full, mesh, runtime.placements(pplan.placement))
+        param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
         if sync_on_accumulate:
             param.register_post_accumulate_grad_hook(sync_grad)
     for name, value in list(gm.named_buffers()):
         owner, attr = _owner(gm, name)
-        owner._buffers[attr] = distribute_tensor(value, mesh, runtime.placements(",".join(["R"] * mesh.ndim)))
+        value = source.get(name, value)
+        owner._buffers[attr] = value if isinstance(value, DTensor) else distribute_tensor(
+            value, mesh, runtime.placements(",".join(["R"] * mesh.ndim)))
     for name in list(vars(gm)):
         value = getattr(gm, name)
         if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, DTensor)):
             setattr(gm, name, runtime.replicate_constant(value, mesh))
+
+
+def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+                      aliases: dict[str, tuple[str, ...]]) -> dict[str, DTensor]:
+    """This rank's DTensor of every parameter and buffer ``gm`` holds, initialised by the
+    model's own modules one at a time (passes.materialize)."""
+    check_initialisable(model)
+    wanted = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    wanted |= {name for name, _ in gm.named_buffers()}
+    replicated = ",".join(["R"] * mesh.ndim)
+    placed = {}
+    for tensors in materialized(model, torch.device(mesh.device_type)):
+        for fqn, full in tensors.items():
+            if fqn not in wanted:
+                continue
+            pplan = plan.parameters.get(fqn)
+            value = distribute_tensor(full.detach(), mesh, runtime.placements(pplan.placement if pplan else replicated))
+            for name in aliases.get(fqn, (fqn,)):
+                placed[name] = value
+    return placed
 
 
 def sync_grad(param: nn.Parameter) -> None:

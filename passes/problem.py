@@ -40,6 +40,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.sparse import LOOKUP_KEY, sparse_exchange_s
+from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, output_vals, tensor_args,
     work_split)
@@ -61,11 +62,13 @@ class ProblemIndex:
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
-                  optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1
-                  ) -> tuple[ShardingProblem, ProblemIndex]:
+                  optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
+                  symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
-    ``activation_copies``: micro-batches whose activations a pipeline stage holds at once."""
+    ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
+    ``symbolic``: times as sympy expressions in the batch size, from the quantities
+    passes.symbolic attached (memory stays in numbers); for evaluating a plan, not solving."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
@@ -88,7 +91,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             kind, options = "op", node.meta[STRATEGIES_KEY]
             factor = 3 if node.name in grad_nodes else 1
             op_cost = node.meta[COST_KEY]
-            cost = [factor * op_cost.time_s(device, work_split(s, mesh.shape))
+            timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
+            cost = [factor * timed.time_s(device, work_split(s, mesh.shape))
                     + (sparse_exchange_s(node.meta[LOOKUP_KEY], s, mesh) if s.exchange else 0.0) for s in options]
             outs = output_vals(node)
             saved = node.meta[SAVED_KEY]
@@ -138,9 +142,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             i = position[producer.name]
             key = (i, j, a, out_index, producer.name in grad_nodes, producer.name in weights)
             if key not in edge_at:
-                val = output_vals(producer)[out_index]
+                nbytes = (producer.meta[SYMBOLIC_BYTES_KEY][_tensor_index(producer, out_index)] if symbolic
+                          else tensor_bytes(output_vals(producer)[out_index]))
                 edge_at[key] = len(edges)
-                edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], val, key[4], key[5], mesh,
+                edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], nbytes, key[4], key[5], mesh,
                                    follow=consumer is not None and _follows(consumer, a)))
             else:
                 k = edge_at[key]
@@ -202,7 +207,12 @@ def _follows(node: torch.fx.Node, arg: int) -> bool:
     return len(args) == 1 and len(outs) == 1 and outs[0].numel() == args[0].meta["val"].numel()
 
 
-def _edge(i, j, arg, out_index, src_options, dst_options, val, needs_grad, regather, mesh, follow=False) -> Edge:
+def _tensor_index(node: torch.fx.Node, out_index: int) -> int:
+    """Position of output ``out_index`` among the node's tensor outputs."""
+    return sum(isinstance(v, torch.Tensor) for v in output_vals(node)[:out_index])
+
+
+def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False) -> Edge:
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
@@ -210,7 +220,6 @@ def _edge(i, j, arg, out_index, src_options, dst_options, val, needs_grad, regat
     dst_keys = [(t.inputs[arg], _split_mask(t) if not (t.exchange and arg == 0) else ()) for t in dst_options]
     src_classes = sorted(set(src_keys))
     dst_classes = sorted(set(dst_keys))
-    nbytes = tensor_bytes(val)
     accepted = {v for v, _ in dst_classes}
     cost = [[None if follow and u in accepted and v != u else reshard_s(u, v, split, nbytes, needs_grad, mesh, regather)
              for (v, split) in dst_classes] for u in src_classes]

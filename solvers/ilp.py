@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import defaultdict
 
@@ -42,6 +43,25 @@ from autopar.solvers.relaxation import LpRelaxation
 log = logging.getLogger(__name__)
 
 _SCALE_TARGET = 1e8  # the largest single cost term becomes this many integer units
+
+
+def _solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel):
+    """Search in a worker thread so that Ctrl-C reaches Python at once (the main thread is not
+    stuck inside the C++ search): the search is stopped and KeyboardInterrupt raised, so
+    nothing is made of an interrupted solve. CP-SAT's own SIGINT handler is off, or it would
+    end the search quietly and a half-searched plan would look like a finished one."""
+    solver.parameters.catch_sigint_signal = False
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("code", solver.solve(model)), daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.05)
+    except KeyboardInterrupt:
+        solver.stop_search()
+        worker.join()
+        raise
+    return result["code"]
 
 
 class CpSatSolver:
@@ -114,7 +134,7 @@ class CpSatSolver:
         solver.parameters.cp_model_probing_level = 0
         solver.parameters.symmetry_level = 0
         solver.parameters.random_seed = self.seed
-        code = solver.solve(model)
+        code = _solve_interruptibly(solver, model)
         elapsed = time.perf_counter() - start
         stats = model.proto
         n_vars, n_cons = len(stats.variables), len(stats.constraints)

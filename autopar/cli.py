@@ -6,8 +6,10 @@ Exit codes: 0 ok, 1 planning failed (infeasible, untraceable, bad plan), 2 usage
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import logging
 import os
 import re
 import sys
@@ -127,18 +129,45 @@ def summary_json(plan) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _progress(first: str):
+    """A spinner on stderr (terminals only) showing the planner's current phase: its INFO log
+    lines (capture, each mesh's solve, symbolic traces)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    logger = logging.getLogger("autopar")
+    with console.status(first) as status:
+        handler = _StatusHandler(status)
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            yield
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+
+
+class _StatusHandler(logging.Handler):
+    def __init__(self, status) -> None:
+        super().__init__(logging.INFO)
+        self.status = status
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.status.update(record.getMessage()[:100])
+
+
 def _cmd_plan(args) -> int:
     import autopar
     from autopar.report import summary
 
-    model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
-    plan = autopar.plan(model, inputs, cluster=args.cluster, memory_limit=args.memory_limit,
-                        time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer,
-                        pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
-                        micro_batches=args.micro_batches, schedule=args.schedule,
-                        replicas={"auto": None, "on": True, "off": False}[args.replicas],
-                        batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None,
-                        symbolic=bool(args.batch_size))
+    with _progress(f"loading {args.model}"):
+        model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
+        plan = _plan_for_cli(autopar, args, model, inputs)
     if args.output:
         plan.save(args.output)
     result = summary_json(plan)
@@ -153,6 +182,17 @@ def _cmd_plan(args) -> int:
             print(f"batch {row['batch_size']}: predicted step {row['predicted_step_s'] * 1e3:.4g} ms, "
                   f"{row['samples_per_s']:.4g} samples/s")
     return 0
+
+
+def _plan_for_cli(autopar, args, model, inputs):
+    logging.getLogger("autopar").info("capturing and planning %s", type(model).__name__)
+    return autopar.plan(model, inputs, cluster=args.cluster, memory_limit=args.memory_limit,
+                        time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer,
+                        pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
+                        micro_batches=args.micro_batches, schedule=args.schedule,
+                        replicas={"auto": None, "on": True, "off": False}[args.replicas],
+                        batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None,
+                        symbolic=bool(args.batch_size))
 
 
 def _cmd_show(args) -> int:

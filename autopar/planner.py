@@ -95,6 +95,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
                                  "bound_s": _finite(bound)}
             continue
+        log.info("mesh %s: solving (%d nodes, %d edges)", list(mesh.shape), problem.num_nodes, len(problem.edges))
         solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
         candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
                              "predicted_step_s": solution.objective_s if solution.choice else None,

@@ -3,7 +3,10 @@ place experts on devices so every device gets about the same number of tokens.
 
 Experts are found in their grouped form (GShard, Switch, Megablocks' grouped GEMM): a
 parameter of three or more dims whose dim 0 counts the experts and which reaches a batched
-matmul (``bmm``, what ``einsum("egcd,edh->egch")`` exports to) through reshapes only. The
+matmul (``bmm``, what ``einsum("egcd,edh->egch")`` exports to) through reshapes only — or
+through a per-token gather of experts (``weight[ids]``, transformers' "batched_mm" Mixtral;
+there DTensor has no rule splitting the gathered dim, so the ILP can only shard inside
+experts or replicate them). The
 sharding ILP then already holds the three choices the MoE literature weighs: expert
 parallelism (the weights ``Shard(0)`` over experts, tokens moved to their experts by an
 all-to-all — DTensor's ``Shard(g) -> Shard(e)`` redistribute), expert-internal tensor
@@ -87,25 +90,35 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
     return groups
 
 
-def _reaches_batched_matmul(node: torch.fx.Node, experts: int, depth: int = 8) -> bool:
+def _reaches_batched_matmul(node: torch.fx.Node, experts: int, depth: int = 8, gathered: bool = False) -> bool:
+    """Through reshapes to a ``bmm`` over the experts (grouped form), or through a gather of
+    experts per token (``weight[ids]``, the "batched_mm" form of transformers' Mixtral) to a
+    ``bmm`` over tokens."""
     for user in node.users:
-        if user.target in _BATCHED and user.meta["val"].shape[0] == experts:
+        if user.target in _BATCHED and (gathered or user.meta["val"].shape[0] == experts):
             return True
-        if user.target in _RESHAPES and depth > 0 and _reaches_batched_matmul(user, experts, depth - 1):
+        if depth > 0 and user.target in _RESHAPES and _reaches_batched_matmul(user, experts, depth - 1, gathered):
+            return True
+        if (depth > 0 and not gathered and user.target is aten.index.Tensor and user.args[0] is node
+                and _reaches_batched_matmul(user, experts, depth - 1, True)):
             return True
     return False
 
 
 def _router(graph: torch.fx.Graph, module: str, experts: int) -> torch.fx.Node | None:
-    """The ``topk`` node choosing among ``experts`` inside ``module``."""
+    """The ``topk`` node choosing among ``experts`` in ``module`` or the nearest module around
+    it (a router beside an ``experts`` submodule)."""
+    best, depth = None, -1
     for node in graph.nodes:
         if node.target is not aten.topk.default:
             continue
-        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
         scores = node.args[0].meta.get("val")
-        if module in paths and isinstance(scores, torch.Tensor) and scores.shape[-1] == experts:
-            return node
-    return None
+        if not isinstance(scores, torch.Tensor) or scores.shape[-1] != experts:
+            continue
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            if (module == path or module.startswith(f"{path}.")) and path.count(".") > depth:
+                best, depth = node, path.count(".")
+    return best
 
 
 def device_loads(load: tuple[float, ...], order: list[int], devices: int) -> list[float]:

@@ -20,6 +20,8 @@ exchange of embedding tables (its touched rows come from the data, they stay at 
 
 from __future__ import annotations
 
+import logging
+
 import sympy
 import torch
 from torch import nn
@@ -29,6 +31,7 @@ from autopar.passes.capture import Captured, capture, normalize_inputs
 from autopar.passes.cost import COST_KEY, OpCost, annotate_costs, tensor_bytes
 from autopar.passes.strategies import output_vals
 
+log = logging.getLogger(__name__)
 BATCH = sympy.Symbol("batch", positive=True, integer=True)
 SYMBOLIC_COST_KEY = "autopar.symbolic_cost"
 SYMBOLIC_BYTES_KEY = "autopar.symbolic_bytes"
@@ -59,6 +62,7 @@ def annotate_symbolic(captured: Captured, model: nn.Module, example_inputs) -> i
     annotate_costs(graph)
     others = []
     for k in _TRACES:
+        log.info("symbolic costs: tracing at batch %d", k * b0)
         other = capture(model, resized(example_inputs, k * b0)).graph
         annotate_costs(other)
         others.append(other)

@@ -24,6 +24,10 @@ def _inputs(kind: str, batch: int):
         return (torch.randn(batch, 3, 16, 16, generator=g),)
     if kind == "seq":
         return (torch.randn(batch, 8, 32, generator=g),)
+    if kind.startswith("seq:"):  # seq:D — sequences of 8 positions of width D
+        return (torch.randn(batch, 8, int(kind[4:]), generator=g),)
+    if kind.startswith("vec:"):  # vec:D — rows of width D
+        return (torch.randn(batch, int(kind[4:]), generator=g),)
     return (torch.randn(batch, 16, generator=g),)
 
 

@@ -144,3 +144,29 @@ def test_profile_writes_a_cluster_file_the_planner_accepts(tmp_path):
     planned = autopar("plan", "models:tiny_mlp", "--cluster", str(out), "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["devices"] == 2
+
+
+def test_plan_shows_its_phases_on_a_terminal(tmp_path):
+    """On a terminal, stderr carries a spinner naming the phase (capture, each mesh's solve, the result)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    exe = shutil.which("autopar")
+    cmd = [exe] if exe else [sys.executable, "-m", "autopar.cli"]
+    proc = subprocess.Popen(cmd + ["plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(tmp_path / "p.json")],
+                            stdout=subprocess.PIPE, stderr=follower, cwd=HERE)
+    os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        shown += chunk
+    proc.wait(timeout=600)
+    os.close(leader)
+    assert proc.returncode == 0
+    text = shown.decode(errors="replace")
+    assert "capturing and planning MLP" in text and "plan: mesh" in text, text[-500:]

@@ -102,3 +102,19 @@ def test_moe_equivalence_two_processes():
 def test_moe_equivalence_four_processes_1d_and_2x2_mesh():
     exchanges = assert_equivalent(MOE_WORLD4, run_world(4, run_cases, MOE_WORLD4), _bound)
     assert {"expert_parallel", "expert_tensor_parallel"} <= exchanges, exchanges
+
+
+def test_transformers_mixtral_experts_and_router_load_are_found():
+    """transformers' Mixtral stacks its experts and gathers them per token ("batched_mm"); its
+    router sits beside the experts module."""
+    pytest.importorskip("transformers", reason="needs the [zoo] extra: pip install '.[zoo]'")
+    import zoo
+
+    model, inputs = zoo.build("mixtral")
+    groups = annotate_experts(capture(model, inputs), inputs)
+    assert [g.module for g in groups] == [f"model.model.layers.{i}.mlp.experts" for i in range(len(groups))]
+    assert groups and all(g.experts == 4 and g.top_k == 2 for g in groups)
+    tokens = inputs[0].numel()
+    assert all(g.load_source == "inputs" and sum(g.load) == 2 * tokens for g in groups)
+    plan = autopar.plan(model, inputs, cluster="2xH100", pipeline=False, replicas=False)
+    assert set(plan.experts) == {g.module for g in groups}

@@ -35,7 +35,9 @@ def _interrupt_after(proc: subprocess.Popen, marker: str | None, delay_s: float)
     the seconds the process took to end after the signal."""
     if marker is not None:
         line = proc.stdout.readline()
-        assert marker in line, line
+        if marker not in line:
+            proc.kill()
+            raise AssertionError(f"expected {marker!r}, got {line!r}; stderr: {proc.communicate()[1][-2000:]}")
     time.sleep(delay_s)
     proc.send_signal(signal.SIGINT)
     sent = time.perf_counter()
@@ -44,8 +46,9 @@ def _interrupt_after(proc: subprocess.Popen, marker: str | None, delay_s: float)
 
 
 def test_interrupt_stops_the_search_at_once():
+    # cwd: not the repository root, whose autopar/ folder would shadow the installed package
     proc = subprocess.Popen([sys.executable, "-c", HARD_SEARCH], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, cwd=HERE)
     took = _interrupt_after(proc, "solving", 1.0)
     out, err = proc.communicate()
     assert "finished" not in out  # the search did not run on to its 120 s limit and return

@@ -190,7 +190,8 @@ def _baselines(captured: Captured, problem: ShardingProblem, index: ProblemIndex
         pinned = _baseline_problem(captured, problem, index, name, rule)
         solution = engine.solve(pinned) if pinned is not None else None
         feasible = solution is not None and bool(solution.choice)
-        result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible}
+        result[name] = {"predicted_step_s": solution.objective_s if feasible else None, "feasible": feasible,
+                        "memory_bytes": pinned.memory(solution.choice) if feasible else None}
         if feasible and (best is None or solution.objective_s < best.objective_s):
             best = solution
     return result, (best.choice if best else None)

@@ -223,14 +223,16 @@ def _experts_table(plan: Plan) -> Table:
 
 def _baselines_table(plan: Plan) -> Table:
     table = Table(title="plan vs baselines (same cost model)")
-    for column in ("configuration", "predicted step", "plan is faster by"):
+    for column in ("configuration", "predicted step", "plan is faster by", "memory/device"):
         table.add_column(column)
-    table.add_row("autopar plan", format_seconds(plan.predicted_step_s), "")
+    table.add_row("autopar plan", format_seconds(plan.predicted_step_s), "", format_bytes(plan.memory.total_bytes))
     for name, b in sorted(plan.baselines.items()):
+        memory = format_bytes(b["memory_bytes"]) if b.get("memory_bytes") is not None else ""
         if b.get("feasible") and b.get("predicted_step_s"):
-            table.add_row(name, format_seconds(b["predicted_step_s"]), f"x{b['predicted_step_s'] / plan.predicted_step_s:.2f}")
+            table.add_row(name, format_seconds(b["predicted_step_s"]),
+                          f"x{b['predicted_step_s'] / plan.predicted_step_s:.2f}", memory)
         else:
-            table.add_row(name, "infeasible", "")
+            table.add_row(name, "infeasible", "", memory)
     return table
 
 

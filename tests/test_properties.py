@@ -33,7 +33,7 @@ def _inputs(kind: str, batch: int) -> tuple:
     return (torch.randn(batch, width),) if kind.startswith("vec") else (torch.randn(batch, 8, width),)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, database=None,
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(stack=stacks, mesh=MESHES, fraction=FRACTIONS, batch=st.sampled_from([2, 4, 8, 16]))
 def test_planned_memory_fits_the_limit_or_the_error_says_by_how_much(stack, mesh, fraction, batch):

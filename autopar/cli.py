@@ -124,6 +124,7 @@ def summary_json(plan) -> dict:
                    "variables": plan.solver.get("variables")},
         "predicted_compute_s": plan.predicted_compute_s,
         "predicted_comm_s": plan.predicted_comm_s,
+        "comm_bytes_per_step": plan.comm_bytes if not (plan.stages or plan.replicas) else None,
         "top_nodes": top_nodes(plan),
         "layers": layer_groups(plan),
     }

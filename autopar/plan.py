@@ -164,6 +164,7 @@ class Plan:
     # text of the step time in the batch size), nodes: {name: {flops, bytes}}}; empty when the
     # plan was made without them
     symbolic: dict[str, Any] = field(default_factory=dict)
+    comm_bytes: float = 0.0  # bytes one device sends per step (one-mesh plans; 0 when not computed)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -241,7 +242,7 @@ class Plan:
                 replicas=tuple(StagePlan.from_json(st) for st in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
-                symbolic=d.get("symbolic", {}), schema_version=version,
+                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,

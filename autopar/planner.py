@@ -27,7 +27,7 @@ from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, im
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem
+from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem, unit_links
 from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, exchange_bytes, sparse_exchange_s
 from autopar.passes.strategies import enumerate_strategies
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
@@ -316,6 +316,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
             memory["act"] += problem.node_memory[q][choice]
     sparse = _sparse_tables(captured, nodes, parameters, mesh)
     experts = _expert_layers(captured, parameters, mesh)
+    sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
     compute_total = problem.compute(solution.choice)
     per_copy = memory["param"] // (2 + states)
     return Plan(
@@ -337,8 +338,21 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
                 "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options={"optimizer": optimizer}, baselines=baselines, sparse=sparse,
-        experts=experts,
+        experts=experts, comm_bytes=sent,
     )
+
+
+def _bytes_sent(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
+                mesh: MeshSpec) -> float:
+    """Bytes one device sends per step under ``choice``: every reshard and gradient collective
+    on its edge, and the sparse row exchanges of lookups."""
+    total = sum(e.count * e.pair_bytes(choice[e.src], choice[e.dst]) for e in problem.edges)
+    lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
+    for q, name in enumerate(index.names):
+        strategy = index.strategies[q][choice[q]]
+        if strategy.exchange and name in lookups:
+            total += problem.count(q) * sparse_exchange_s(lookups[name], strategy, unit_links(mesh))
+    return total
 
 
 def _sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: dict[str, ParameterPlan],

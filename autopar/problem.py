@@ -22,6 +22,7 @@ clustering, exact because identical copies take identical placements).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -33,6 +34,8 @@ class Edge:
     dst_class: list[int]  # consumer strategy -> class index v
     cost: list[list[float | None]]  # [u][v] seconds, None = forbidden
     count: int = 1  # identical graph edges this edge stands for
+    # (u, v) -> bytes one device sends for that reshard (for reports; the solver never reads it)
+    volume: Callable[[int, int], float] | None = field(default=None, compare=False, repr=False)
 
     def members(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Strategies of the producer per class u, and of the consumer per class v."""
@@ -43,6 +46,9 @@ class Edge:
         for t, v in enumerate(self.dst_class):
             dst.setdefault(v, []).append(t)
         return src, dst
+
+    def pair_bytes(self, s: int, t: int) -> float:
+        return self.volume(self.src_class[s], self.dst_class[t]) if self.volume else 0.0
 
     def pair_cost(self, s: int, t: int) -> float:
         c = self.cost[self.src_class[s]][self.dst_class[t]]

@@ -16,7 +16,7 @@ def summary(plan: Plan) -> str:
     """Header; memory and time per device; baselines; placements per layer; the top nodes by
     time and by memory; parameters grouped by placement."""
     out = io.StringIO()
-    console = Console(file=out, width=110, force_terminal=False)
+    console = Console(file=out, width=124, force_terminal=False)
     timing = f", planned in {plan.timings['plan_s']:.1f} s" if plan.timings else ""
     console.print(f"[bold]autopar plan[/] for {plan.cluster['spec']}: mesh {list(plan.mesh_shape)} "
                   f"{list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver {plan.solver['status']}{timing}")
@@ -25,14 +25,16 @@ def summary(plan: Plan) -> str:
     memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
                    "memory per device in the largest replica's plan, and time" if plan.replicas else
                    f"memory per device, and time (all {plan.num_devices} devices run the same program)")
-    for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use", "compute", "comm"):
+    for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use", "compute", "comm",
+                   "sent/step"):
         memory.add_column(column, justify="right")
     m = plan.memory
     limit = plan.cluster["memory_limit_bytes"]
     memory.add_row(*(format_bytes(b) for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
                                                 m.activations_bytes, m.total_bytes, limit)),
                    f"{100 * m.total_bytes / limit:.1f}%", format_seconds(plan.predicted_compute_s),
-                   format_seconds(plan.predicted_comm_s))
+                   format_seconds(plan.predicted_comm_s),
+                   "-" if plan.stages or plan.replicas else format_bytes(plan.comm_bytes))
     console.print(memory)
     if plan.stages:
         console.print(_stages_table(plan))

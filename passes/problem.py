@@ -223,7 +223,18 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
     accepted = {v for v, _ in dst_classes}
     cost = [[None if follow and u in accepted and v != u else reshard_s(u, v, split, nbytes, needs_grad, mesh, regather)
              for (v, split) in dst_classes] for u in src_classes]
-    return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost)
+
+    def volume(u: int, v: int) -> float:  # the same collectives on a link of 1 byte/s: their bytes
+        return reshard_s(src_classes[u], dst_classes[v][0], dst_classes[v][1], nbytes, needs_grad, unit_links(mesh),
+                         regather) or 0.0
+    return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
+                volume=volume)
+
+
+@functools.lru_cache(maxsize=64)
+def unit_links(mesh: MeshSpec) -> MeshSpec:
+    """``mesh`` with every link at 1 byte/s and no latency: a collective's time is its volume."""
+    return dataclasses.replace(mesh, links=(Link(bandwidth_Bps=1.0, latency_s=0.0),) * len(mesh.shape))
 
 
 def _split_mask(strategy: Strategy) -> tuple[bool, ...]:

@@ -12,9 +12,11 @@ from torch import nn
 import autopar
 import models
 from autopar.cli import summary_json
+from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
+from autopar.planner import communication_bytes
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
 
@@ -135,6 +137,13 @@ def test_dlrm_plan_picks_sparse_exchange_for_big_tables_and_beats_ddp():
     assert plan.predicted_step_s < plan.baselines["ddp"]["predicted_step_s"]
     again = autopar.Plan.from_json(plan.to_json())
     assert again.sparse == plan.sparse and again.parameters == plan.parameters
+    # bytes a device sends per step: recorded in the plan (folded problem) = recounted unfolded
+    captured = capture(model, inputs)
+    annotate_lookups(captured, inputs)
+    recounted = communication_bytes(captured, plan, Cluster.from_spec("4xcpu"))
+    assert plan.comm_bytes == pytest.approx(recounted, rel=1e-9) and plan.comm_bytes > 0
+    ddp = autopar.plan(model, inputs, cluster="4xcpu", configuration="ddp")
+    assert ddp.comm_bytes > 10 * plan.comm_bytes  # the big tables' dense all-reduce
 
 
 # The big-table cases run in float64: a hot row gathers ~340 gradient contributions, and the

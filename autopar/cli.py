@@ -94,7 +94,7 @@ def _load_model(target: str, trust_pickle: bool):
 
 def summary_json(plan) -> dict:
     """The stable machine-readable summary (keys are only ever added, never renamed)."""
-    from autopar.report import layer_groups, top_nodes
+    from autopar.report import imbalance, layer_groups, top_nodes
 
     limit = plan.cluster["memory_limit_bytes"]
     return {
@@ -127,6 +127,7 @@ def summary_json(plan) -> dict:
         "comm_bytes_per_step": plan.comm_bytes if not (plan.stages or plan.replicas) else None,
         "top_nodes": top_nodes(plan),
         "layers": layer_groups(plan),
+        "imbalance": imbalance(plan),  # max/mean over devices: {"time": busy time, "memory": memory}
     }
 
 

@@ -26,10 +26,25 @@ from autopar.errors import AutoparError, ErrorKind
 
 @dataclass(frozen=True)
 class Link:
-    """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s)."""
+    """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s).
+
+    ``collective_efficiency`` (measured by ``autopar profile``): the fraction of the ideal
+    formula's speed the collective library reaches per collective kind (gloo, for one, runs a
+    reduce-scatter as an all-reduce); 1 for kinds not listed."""
 
     bandwidth_Bps: float
     latency_s: float
+    collective_efficiency: tuple[tuple[str, float], ...] = ()
+
+    def efficiency(self, kind: str) -> float:
+        return dict(self.collective_efficiency).get(kind, 1.0)
+
+    @classmethod
+    def of_device(cls, device: "DeviceSpec", inter_node: bool) -> "Link":
+        """The default link between two of ``device``'s kind, in one node or across nodes."""
+        if inter_node:
+            return cls(device.inter_node_bandwidth_Bps, device.inter_node_latency_s, device.collective_efficiency)
+        return cls(device.intra_node_bandwidth_Bps, device.intra_node_latency_s, device.collective_efficiency)
 
 
 _SHORTHAND = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*x\s*([A-Za-z][\w.\-]*)\s*$")
@@ -88,8 +103,8 @@ class Cluster:
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"memory limit must be positive, got {limit} bytes; pass e.g. memory_limit=8e9")
         return cls(device=device, hosts=hosts, devices_per_host=per_host,
-                   intra_link=Link(device.intra_node_bandwidth_Bps, device.intra_node_latency_s),
-                   inter_link=Link(device.inter_node_bandwidth_Bps, device.inter_node_latency_s),
+                   intra_link=Link.of_device(device, inter_node=False),
+                   inter_link=Link.of_device(device, inter_node=True),
                    memory_limit_bytes=limit)
 
     @property

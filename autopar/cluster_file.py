@@ -23,7 +23,7 @@ import dataclasses
 import yaml
 
 from autopar.cluster import Cluster, Link
-from autopar.devices import DeviceSpec, get_device
+from autopar.devices import COLLECTIVES, OP_CLASSES, DeviceSpec, get_device
 from autopar.errors import AutoparError, ErrorKind
 
 GB = 10**9
@@ -119,7 +119,12 @@ def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
         memory_bytes=min(d.memory_bytes for d in devices),
         memory_bandwidth_Bps=min(d.memory_bandwidth_Bps for d in devices),
         compute_efficiency=min(d.compute_efficiency for d in devices),
-        memory_efficiency=min(d.memory_efficiency for d in devices), aliases=())
+        memory_efficiency=min(d.memory_efficiency for d in devices), aliases=(),
+        class_efficiency=tuple(sorted((c, min(d.efficiency(c) for d in devices))
+                                      for c in {c for d in devices for c, _ in d.class_efficiency})),
+        collective_efficiency=tuple(sorted(
+            (c, min(dict(d.collective_efficiency).get(c, 1.0) for d in devices))
+            for c in {c for d in devices for c, _ in d.collective_efficiency})))
 
 
 def _custom_devices(section, where) -> dict[str, DeviceSpec]:
@@ -130,7 +135,8 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
                    intra_node: {bandwidth_GBps: 1.1, latency_us: 60}}
 
     Figures are what kernels reach (efficiency 1 unless ``compute_efficiency`` says otherwise);
-    ``op_overhead_us`` is a fixed time per executed op."""
+    ``op_overhead_us`` is a fixed time per executed op; ``op_class_efficiency`` maps op classes
+    (matmul, conv, pool, reduction, elementwise) to the fraction of the roofline they reach."""
     if not isinstance(section, dict):
         raise _fail(where("devices"), "`devices` must map names to {peak_TFLOPS, memory_GB, memory_bandwidth_GBps}")
     found = {}
@@ -158,8 +164,24 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
             memory_efficiency=_number(spec.get("memory_efficiency", 1.0), where, key + ("memory_efficiency",)),
             op_overhead_s=_number(spec.get("op_overhead_us", 0), where, key + ("op_overhead_us",), allow_zero=True)
             * 1e-6,
+            class_efficiency=_efficiencies(spec.get("op_class_efficiency", {}), OP_CLASSES, where,
+                                           key + ("op_class_efficiency",)),
+            collective_efficiency=_efficiencies(spec.get("collective_efficiency", {}), COLLECTIVES, where,
+                                                key + ("collective_efficiency",)),
             source=str(spec.get("source", "defined in the cluster file")))
     return found
+
+
+def _efficiencies(section, kinds: tuple[str, ...], where, key: tuple) -> tuple[tuple[str, float], ...]:
+    """``{kind: fraction}`` of an ``op_class_efficiency`` / ``collective_efficiency`` entry."""
+    if not isinstance(section, dict):
+        raise _fail(where(*key), f"`{key[-1]}` must map {', '.join(kinds)} to fractions of the ideal speed")
+    found = []
+    for kind, value in section.items():
+        if kind not in kinds:
+            raise _fail(where(*key, kind), f"unknown kind {kind!r} in `{key[-1]}`; expected one of {', '.join(kinds)}")
+        found.append((kind, _number(value, where, key + (kind,))))
+    return tuple(sorted(found))
 
 
 def _region(spec, where, key: tuple, custom: dict[str, DeviceSpec]) -> dict:
@@ -181,10 +203,8 @@ def _region(spec, where, key: tuple, custom: dict[str, DeviceSpec]) -> dict:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise _fail(where(*key, count), f"`{count}` must be a positive integer, got {value!r} "
                         "(a cluster needs at least one device)")
-    intra = _link(spec.get("intra_node"), Link(device.intra_node_bandwidth_Bps, device.intra_node_latency_s),
-                  where, key + ("intra_node",))
-    inter = _link(spec.get("inter_node"), Link(device.inter_node_bandwidth_Bps, device.inter_node_latency_s),
-                  where, key + ("inter_node",))
+    intra = _link(spec.get("intra_node"), Link.of_device(device, inter_node=False), where, key + ("intra_node",))
+    inter = _link(spec.get("inter_node"), Link.of_device(device, inter_node=True), where, key + ("inter_node",))
     reserve = _number(spec.get("memory_reserve_GB", 0), where, key + ("memory_reserve_GB",), allow_zero=True)
     return {"device": device, "nodes": spec["nodes"], "per_node": spec["per_node"], "intra": intra,
             "inter": inter, "reserve": int(reserve * GB)}
@@ -208,7 +228,7 @@ def _link(spec, default: Link, where, key: tuple) -> Link:
     for unit, scale in (("latency_us", 1e-6), ("latency_ms", 1e-3), ("latency_s", 1.0)):
         if unit in spec:
             latency = _number(spec[unit], where, key + (unit,), allow_zero=True) * scale
-    return Link(bandwidth, latency)
+    return dataclasses.replace(default, bandwidth_Bps=bandwidth, latency_s=latency)
 
 
 def _wan_links(links, specs: dict, where) -> tuple:

@@ -56,7 +56,7 @@ def all_reduce_s(nbytes: float, n: int, link: Link) -> float:
         return 0.0
     ring = 2 * (n - 1) / n * nbytes / link.bandwidth_Bps + 2 * (n - 1) * link.latency_s
     tree = 2 * nbytes / link.bandwidth_Bps + 2 * _log2(n) * link.latency_s
-    return smallest(ring, tree)
+    return smallest(ring, tree) / link.efficiency("all_reduce")
 
 
 def all_gather_s(nbytes: float, n: int, link: Link) -> float:
@@ -64,16 +64,22 @@ def all_gather_s(nbytes: float, n: int, link: Link) -> float:
     (n−1) latencies or recursive doubling's ⌈log2 n⌉ (same volume; Bruck for non-powers of 2)."""
     if n <= 1:
         return 0.0
+    return _gather_like_s(nbytes, n, link) / link.efficiency("all_gather")
+
+
+def _gather_like_s(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) / n * nbytes / link.bandwidth_Bps + min(n - 1, _log2(n)) * link.latency_s
 
 
 def reduce_scatter_s(nbytes: float, n: int, link: Link) -> float:
     """Ring reduce-scatter: same volume as all-gather."""
-    return all_gather_s(nbytes, n, link)
+    if n <= 1:
+        return 0.0
+    return _gather_like_s(nbytes, n, link) / link.efficiency("reduce_scatter")
 
 
 def all_to_all_s(nbytes: float, n: int, link: Link) -> float:
     """Each rank keeps 1/n of its bytes/n shard and sends the rest: (n−1)/n² · bytes / bw."""
     if n <= 1:
         return 0.0
-    return (n - 1) / (n * n) * nbytes / link.bandwidth_Bps + (n - 1) * link.latency_s
+    return ((n - 1) / (n * n) * nbytes / link.bandwidth_Bps + (n - 1) * link.latency_s) / link.efficiency("all_to_all")

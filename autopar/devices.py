@@ -17,6 +17,10 @@ from autopar.errors import AutoparError, ErrorKind
 GB = 10**9
 GiB = 2**30
 TFLOPS = 10**12
+# op classes whose kernels reach different fractions of the roofline (passes.cost.op_class)
+OP_CLASSES = ("matmul", "conv", "pool", "reduction", "elementwise")
+# collective kinds whose library implementation may fall short of autopar.comm's formulas
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,17 @@ class DeviceSpec:
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     op_overhead_s: float = 0.0  # fixed time per executed op (dispatch; large for DTensor on CPU)
+    # fraction of the roofline reached per op class (passes.cost.OP_CLASSES); 1 when not listed
+    class_efficiency: tuple[tuple[str, float], ...] = ()
+    # fraction of autopar.comm's ideal speed per collective kind (cluster.Link.efficiency)
+    collective_efficiency: tuple[tuple[str, float], ...] = ()
     source: str = ""
     aliases: tuple[str, ...] = field(default=())
+
+    def efficiency(self, op_class: str) -> float:
+        """Fraction of the roofline this device's kernels of ``op_class`` reach (measured by
+        ``autopar profile``; 1 for catalog devices, whose efficiency is in the two factors above)."""
+        return dict(self.class_efficiency).get(op_class, 1.0)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak for ``dtype`` (e.g. 'float32'), falling back to fp32 for unknown dtypes."""

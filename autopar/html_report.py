@@ -1,17 +1,25 @@
 """A self-contained HTML report of a plan: no scripts from the network, inline SVG only.
 
-Sections: summary, memory per device (stacked bars), time per step (compute vs
-communication), baselines comparison, parameter placement map (per layer), and, for graphs of
-up to 300 nodes, the ops coloured by the placement of their output.
+Sections: summary (with the imbalance between devices), memory per device (stacked bars),
+time per step (compute vs communication), the pipeline schedule (micro-batches per stage over
+one step) with the stage table, replicas, baselines comparison, parameter placement map (per
+layer), sparse tables and mixture-of-experts layers when the plan has them, and, for graphs of
+up to 300 nodes, the ops coloured by the placement of their output. Tables shared with
+``autopar show`` are the same rich tables, exported as inline-styled HTML.
 """
 
 from __future__ import annotations
 
 import html
+import io
 import re
 from collections import defaultdict
 
+from rich.console import Console
+
 from autopar.plan import Plan, atomic_write_text
+from autopar.report import (
+    _experts_table, _replicas_table, _sparse_table, _stages_table, imbalance, schedule_spans)
 from autopar.units import format_bytes, format_seconds
 
 _COLORS = {"R": "#9aa5b1", "S": "#2f80ed", "P": "#f2994a", "-": "#dddddd"}
@@ -38,24 +46,73 @@ def _bar(parts: list[tuple[str, float, str]], total: float, width: int = 520) ->
     return f'<svg width="{width}" height="22" role="img">{"".join(rects)}</svg>'
 
 
+def _rich_table(table) -> str:
+    """A rich table (the one ``autopar show`` prints) as inline-styled HTML."""
+    console = Console(record=True, width=160, file=io.StringIO(), color_system="truecolor")
+    console.print(table)
+    return console.export_html(inline_styles=True, code_format="<pre style='font-size:12px'>{code}</pre>")
+
+
+def _memory_rows(plan: Plan) -> list[tuple[str, object]]:
+    """(device label, its memory breakdown) for every device: a stage's or replica's devices
+    hold that group's plan; one mesh's devices hold equal shares."""
+    groups = plan.stages or plan.replicas
+    if not groups:
+        return [(str(rank), plan.memory) for rank in range(plan.num_devices)]
+    return [(f"{rank} ({g.group})", g.memory) for g in groups for rank in g.ranks]
+
+
+def _schedule_svg(plan: Plan, width: int = 760, row: int = 24) -> str:
+    """Micro-batches per stage over one step: forward blue, backward orange, labelled by index."""
+    spans = schedule_spans(plan)
+    total = max((end for r in spans for _, end, _, _ in r), default=0.0) or 1.0
+    left = 110
+    shapes = []
+    for s, (stage, stage_spans) in enumerate(zip(plan.stages, spans)):
+        y = s * row
+        shapes.append(f'<text x="0" y="{y + 16}" font-size="12">stage {s} {html.escape(stage.group)}</text>')
+        for start, end, kind, i in stage_spans:
+            x, w = left + (width - left) * start / total, max(1.0, (width - left) * (end - start) / total)
+            color = "#2f80ed" if kind == "F" else "#f2994a"
+            what = "forward" if kind == "F" else "backward"
+            shapes.append(f'<rect class="mb" x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 4}" fill="{color}" '
+                          f'stroke="#fff"><title>stage {s}: {what} of micro-batch {i}, '
+                          f'{format_seconds(start)}–{format_seconds(end)}</title></rect>')
+            if w > 14:
+                shapes.append(f'<text x="{x + w / 2:.1f}" y="{y + 16}" font-size="11" fill="#fff" '
+                              f'text-anchor="middle">{i}</text>')
+    return (f'<svg width="{width}" height="{row * len(plan.stages)}" role="img">{"".join(shapes)}</svg>'
+            f"<p class='legend'><span style='background:#2f80ed'></span>forward<span style='background:#f2994a'>"
+            f"</span>backward (micro-batch index; one step = {format_seconds(total)})</p>")
+
+
 def render(plan: Plan) -> str:
-    m, limit = plan.memory, plan.cluster["memory_limit_bytes"]
-    parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
-             ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a")]
+    limit = plan.cluster["memory_limit_bytes"]
+    spread = imbalance(plan)
     body = [f"<h1>autopar plan — {html.escape(plan.cluster['spec'])}</h1>",
             f"<p>mesh {list(plan.mesh_shape)} {list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver "
             f"{html.escape(plan.solver['status'])}; predicted step <b>{format_seconds(plan.predicted_step_s)}</b> "
             f"(compute {format_seconds(plan.predicted_compute_s)}, communication "
-            f"{format_seconds(plan.predicted_comm_s)})</p>",
+            f"{format_seconds(plan.predicted_comm_s)}); imbalance (max/mean over devices): busy time "
+            f"{spread['time']:.2f}, memory {spread['memory']:.2f}</p>",
             "<h2>Memory per device</h2><table><tr><th>device</th><th>use</th><th>total</th><th></th></tr>"]
-    for rank in range(plan.num_devices):  # devices of one mesh hold equal shares
-        body.append(f"<tr><td>{rank}</td><td>{100 * m.total_bytes / limit:.1f}% of {format_bytes(limit)}</td>"
-                    f"<td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, limit)}</td></tr>")
+    for label, m in _memory_rows(plan):
+        parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
+                 ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a")]
+        body.append(f"<tr><td>{html.escape(label)}</td><td>{100 * m.total_bytes / limit:.1f}% of "
+                    f"{format_bytes(limit)}</td><td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, limit)}</td></tr>")
     body.append("</table><p class='legend'>" + "".join(
-        f"<span style='background:{c}'></span>{n}" for n, _, c in parts) + "</p>")
+        f"<span style='background:{c}'></span>{n}" for n, c in (("params", "#2f80ed"), ("grads", "#56ccf2"),
+                                                               ("optimizer", "#9b51e0"), ("activations", "#f2994a")))
+        + "</p>")
     body.append("<h2>Time per step</h2>" + _bar([("compute", plan.predicted_compute_s, "#27ae60"),
                                                   ("communication", plan.predicted_comm_s, "#eb5757")],
                                                  plan.predicted_step_s))
+    if plan.stages:
+        body.append(f"<h2>Pipeline schedule</h2><p>{plan.schedule}, {plan.micro_batches} micro-batches, bubble "
+                    f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _rich_table(_stages_table(plan)))
+    if plan.replicas:
+        body.append("<h2>Data-parallel replicas</h2>" + _rich_table(_replicas_table(plan)))
     body.append("<h2>Baselines</h2><table><tr><th>plan</th><th>predicted step</th><th>vs autopar</th></tr>"
                 f"<tr><td>autopar</td><td>{format_seconds(plan.predicted_step_s)}</td><td>1.00</td></tr>")
     for name, b in sorted(plan.baselines.items()):
@@ -64,6 +121,10 @@ def render(plan: Plan) -> str:
         body.append(f"<tr><td>{html.escape(name)}</td><td>{shown[0]}</td><td>{shown[1]}</td></tr>")
     body.append("</table>")
     body.append(_layer_map(plan))
+    if plan.sparse:
+        body.append("<h2>Sparse tables</h2>" + _rich_table(_sparse_table(plan)))
+    if plan.experts:
+        body.append("<h2>Mixture-of-experts layers</h2>" + _rich_table(_experts_table(plan)))
     if len(plan.nodes) <= 300:
         body.append("<h2>Graph (ops in order, coloured by output placement)</h2><div>" + "".join(
             f"<span class='op' style='background:{_COLORS[_kind(n.outputs[0] if n.outputs else None)]}' "

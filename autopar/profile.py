@@ -1,12 +1,21 @@
 """``autopar profile``: measure this machine and write a cluster file the planner accepts.
 
-Short micro-benchmarks, best of a few repeats (the machine may be shared, so the best run is
-the one least disturbed):
+Short micro-benchmarks, each the median of a few repeats: a plan's prediction stands for a
+typical step, so every figure is a typical one (the best of a few repeats, tried before, ran
+10–20 % faster than the same kernels inside a step on this shared 2-core machine):
   * matmul throughput per dtype: ``2·n³`` FLOPs of an ``n × n`` matmul over its time;
   * memory bandwidth: a large tensor copy reads and writes its bytes;
-  * gloo collectives between ``world`` processes: all-reduce times over message sizes, fitted
-    to autopar.comm's ring formula ``t = 2(n−1)/n · bytes/β + 2(n−1)·α`` by least squares;
-  * the fixed cost of one op on DTensor (dispatch, autograd), which dominates small ops on CPU.
+  * the fraction of that roofline each op class reaches (conv, pool, reduction, elementwise;
+    one typical kernel each, matmul being the reference);
+  * gloo collectives between ``world`` processes, issued the way lowered programs issue them
+    (DTensor redistributes, each after a little compute, so the wake-up of the communication
+    thread is paid as in a step): median all-reduce times over message sizes fitted to
+    autopar.comm's ring formula ``t = 2(n−1)/n · bytes/β + 2(n−1)·α`` by least squares, and
+    how far all-gather, reduce-scatter and all-to-all fall short of their formulas at that
+    (α, β) (gloo runs a reduce-scatter as an all-reduce, an all-to-all as an all-gather);
+  * the fixed cost of each executed op (DTensor dispatch, autograd, hooks), which dominates
+    small ops on CPU: fitted on the measured training step of a small model
+    (:func:`_calibrated_op_overhead`).
 
 The file defines the measured device under ``devices:`` (efficiency 1: these are achieved
 rates, not datasheet peaks) and one node of ``world`` such devices.
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import tempfile
 import time
 
@@ -29,96 +39,217 @@ from autopar.plan import atomic_write_text
 GB = 10**9
 
 
-def _best_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, before=None) -> float:
+    """Median seconds of ``fn()``; ``before()`` runs untimed ahead of each call."""
     fn()  # warm-up
-    best = float("inf")
+    times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     """Achieved FLOP/s of an n×n matmul in ``dtype``."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_time(lambda: torch.mm(a, b), repeats)
+    return 2 * n**3 / _median_time(lambda: torch.mm(a, b), repeats)
 
 
 def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Achieved bytes/s of a copy (it reads and writes ``nbytes`` each)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _best_time(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
 
 
-def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str) -> None:
+def class_efficiencies(flops_per_s: float, bandwidth_Bps: float, repeats: int = 5) -> dict[str, float]:
+    """Fraction of the roofline (``max(flops / peak, bytes / bandwidth)`` with this device's
+    matmul rate and copy bandwidth) that one typical kernel of each op class reaches, at sizes
+    like a small model's activations. Matmul is the reference (its rate is the peak)."""
+    aten = torch.ops.aten
+    x = torch.randn(16, 16, 32, 32)
+    weight = torch.randn(32, 16, 3, 3)
+    rows = torch.randn(64, 128, 128)
+    flat = torch.randn(2**20)
+    cases = {  # class: (kernel, FLOPs, bytes read + written)
+        "conv": (lambda: aten.convolution(x, weight, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1),
+                 2 * 16 * 32 * 32 * 32 * 16 * 9, 4 * (x.numel() + weight.numel() + 16 * 32 * 32 * 32)),
+        "pool": (lambda: aten.max_pool2d_with_indices(x, [2, 2], [2, 2]), 0, 4 * x.numel() + 12 * x.numel() // 4),
+        "reduction": (lambda: aten._softmax(rows, -1, False), 0, 8 * rows.numel()),
+        "elementwise": (lambda: aten.gelu(flat), 0, 8 * flat.numel()),
+    }
+    found = {"matmul": 1.0}
+    for op_class, (kernel, flops, nbytes) in cases.items():
+        roofline = max(flops / flops_per_s, nbytes / bandwidth_Bps)
+        found[op_class] = round(min(1.0, roofline / _median_time(kernel, repeats)), 4)
+    return found
+
+
+class CalibrationNet(torch.nn.Module):
+    """A small transformer stack (attention, layer norm, GELU, views): its training step on
+    DTensor is almost all per-op cost, which is what the calibration run measures."""
+
+    def __init__(self, width: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({
+            "norm": torch.nn.LayerNorm(width), "qkv": torch.nn.Linear(width, 3 * width),
+            "proj": torch.nn.Linear(width, width), "up": torch.nn.Linear(width, 2 * width),
+            "down": torch.nn.Linear(2 * width, width)}) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, tokens, width)
+        for block in self.blocks:
+            q, k, v = block["qkv"](block["norm"](x)).chunk(3, dim=-1)
+            scores = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+            x = x + block["proj"](scores @ v)
+            x = x + block["down"](torch.nn.functional.gelu(block["up"](x)))
+        return x
+
+
+def _collective_times(world: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
+    """Median seconds of each collective kind per message size (bytes of the whole tensor),
+    issued the way lowered programs issue them: a DTensor redistribute on a 1-D mesh, after a
+    little compute (so the communication thread's wake-up is paid as in a step)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    a = torch.randn(96, 96)
+    kinds = {"all_reduce": (Partial(), Replicate(), False), "all_gather": (Shard(0), Replicate(), True),
+             "reduce_scatter": (Partial(), Shard(0), False), "all_to_all": (Shard(0), Shard(1), True)}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for nbytes in sizes:
+        side = max(world, int((nbytes / 4) ** 0.5) // world * world)  # a (side × side) fp32 tensor
+        for kind, (src, dst, sharded) in kinds.items():
+            local = torch.ones(side // world if sharded else side, side)
+            dist.barrier()
+            times[kind].append(_median_time(
+                lambda: DTensor.from_local(local, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local(),
+                2 * repeats + 1, before=lambda: a @ a))
+    return times
+
+
+def _whole_bytes(nbytes: int, world: int) -> int:
+    side = max(world, int((nbytes / 4) ** 0.5) // world * world)
+    return 4 * side * side
+
+
+def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
+                       device: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        times = []
-        for nbytes in sizes:
-            x = torch.ones(max(1, nbytes // 4))
-            dist.barrier()
-            times.append(_best_time(lambda: dist.all_reduce(x), repeats))
-        overhead = _dtensor_op_overhead(world)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        box = [_collective_times(world, sizes, repeats)]
+        dist.broadcast_object_list(box, src=0)  # every rank calibrates with rank 0's link figures
+        link = fit_collectives([_whole_bytes(b, world) for b in sizes], box[0], world)
+        device = dict(device, intra_node={"bandwidth_GBps": min(link["bandwidth_Bps"], device["memory_bandwidth_GBps"] * GB) / GB,
+                                          "latency_us": link["latency_s"] * 1e6},
+                      collective_efficiency=link["efficiency"])
+        overhead = _calibrated_op_overhead(device, world, repeats)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(repr((times, overhead)))
+                f.write(repr((box[0], overhead)))
     finally:
         dist.destroy_process_group()
 
 
-def _dtensor_op_overhead(world: int, ops: int = 200) -> float:
-    """Seconds per op of a tiny replicated DTensor op with autograd (forward and backward):
-    the fixed cost every planned op pays on this machine, whatever its size."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
+def fit_collectives(sizes: list[int], times: dict[str, list[float]], n: int) -> dict:
+    """Link figures from measured collectives: (β, α) fitted on the all-reduces
+    (:func:`fit_ring`), then each other kind's efficiency = the median over sizes of the
+    formula's time at those figures over the measured time."""
+    from autopar import comm
+    from autopar.cluster import Link
 
-    mesh = init_device_mesh("cpu", (world,))
-    x = distribute_tensor(torch.ones(8, 8, requires_grad=True), mesh, [Replicate()])
+    bandwidth, latency = fit_ring(sizes, times["all_reduce"], n)
+    ideal = Link(bandwidth, latency)
+    formulas = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
+                "all_to_all": comm.all_to_all_s}
+    efficiency = {kind: round(statistics.median(formula(b, n, ideal) / t for b, t in zip(sizes, times[kind])), 4)
+                  for kind, formula in formulas.items() if kind in times}
+    return {"bandwidth_Bps": bandwidth, "latency_s": latency, "efficiency": efficiency}
 
-    def chain():
-        y = x
-        for _ in range(ops):
-            y = y * 1.0001
-        y.sum().backward()
 
-    return _best_time(chain, 3) / (3 * ops)  # one forward and two backward ops' worth per op
+def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
+    """Seconds each executed op costs beyond its roofline time, fitted from one measured run:
+    the :class:`CalibrationNet`'s data-parallel training step (median of ``2·repeats + 1``)
+    minus its prediction without per-op cost, divided by the ops the cost model counts for it
+    (forward and backward, views included). Fitting it on a whole step, not on a loop of one
+    op, makes the figure carry what a lowered program pays around its ops (DTensor dispatch
+    and sharding propagation, redistribute calls, autograd and gradient hooks)."""
+    import autopar
+
+    torch.manual_seed(0)
+    model = CalibrationNet()
+    x, target = torch.randn(4 * world, 16, 32), torch.randn(4 * world, 16, 32)
+    predicted = []
+    entry = {key: value for key, value in device.items() if key != "name"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for overhead_us in (0.0, 1000.0):
+            path = os.path.join(tmp, f"{overhead_us}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump({"devices": {device["name"]: dict(entry, op_overhead_us=overhead_us)},
+                                "device": device["name"], "nodes": 1, "per_node": world}, f)
+            predicted.append(autopar.plan(model, (x,), cluster=path, configuration="ddp").predicted_step_s)
+        plan = autopar.plan(model, (x,), cluster=path, configuration="ddp")
+    pmodel = autopar.apply(model, plan, loss_fn=torch.nn.functional.mse_loss)
+
+    def step():
+        dist.barrier()
+        pmodel.step(x, target=target)
+        for p in pmodel.parameters():
+            p.grad = None
+
+    step()
+    measured = _median_time(step, 2 * repeats + 1)
+    ops = (predicted[1] - predicted[0]) / 1e-3  # op executions the model counts per step
+    return max(0.0, (measured - predicted[0]) / ops)
 
 
 def collective_link(world: int = 2, sizes: tuple[int, ...] = (2**10, 2**16, 2**20, 2**22, 2**24),
-                    repeats: int = 5) -> tuple[float, float, float]:
-    """(bandwidth bytes/s, latency s) of the link between ``world`` local gloo processes, and
-    the per-op overhead of DTensor there (seconds)."""
+                    repeats: int = 5, device: dict | None = None) -> tuple[dict, float]:
+    """The link between ``world`` local gloo processes (:func:`fit_collectives`), and the
+    per-op cost there (seconds) calibrated on a step of a small model on ``device`` (a
+    cluster file's device entry with its ``name``; measured here when not given)."""
+    if device is None:
+        device = _device_entry("cpu-local", world, quick=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times")
-        mp.spawn(_collective_worker, args=(world, port, list(sizes), repeats, out), nprocs=world, join=True)
+        mp.spawn(_collective_worker, args=(world, port, list(sizes), repeats, device, out), nprocs=world, join=True)
         with open(out) as f:
             times, overhead = eval(f.read(), {})  # floats we wrote ourselves
-    return (*fit_ring(list(sizes), times, world), overhead)
+    return fit_collectives([_whole_bytes(b, world) for b in sizes], times, world), overhead
 
 
 def fit_ring(sizes: list[int], times: list[float], n: int) -> tuple[float, float]:
     """Least-squares (β, α) of ``t = 2(n−1)/n · bytes/β + 2(n−1)·α`` (α, β kept positive).
+
+    Residuals are relative (weights 1/t²): the sizes span four orders of magnitude, and plain
+    least squares would let the largest message decide the latency of the smallest.
 
     >>> bw, lat = fit_ring([1e6, 2e6, 4e6], [0.0011, 0.0021, 0.0041], 2)
     >>> round(bw / 1e9, 3), round(lat * 1e6, 1)
     (1.0, 50.0)
     """
     xs = [2 * (n - 1) / n * b for b in sizes]
-    mean_x, mean_t = sum(xs) / len(xs), sum(times) / len(times)
-    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, times)) / sum((x - mean_x) ** 2 for x in xs)
+    weights = [1.0 / t**2 for t in times]
+    total = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, xs)) / total
+    mean_t = sum(w * t for w, t in zip(weights, times)) / total
+    slope = (sum(w * (x - mean_x) * (t - mean_t) for w, x, t in zip(weights, xs, times))
+             / sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs)))
     slope = max(slope, 1e-15)
     intercept = max(mean_t - slope * mean_x, 0.0)
     return 1.0 / slope, intercept / (2 * (n - 1))
 
 
-def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False) -> dict:
-    """Measure, and return the cluster file's content as a mapping."""
+def _device_entry(name: str, world: int, quick: bool) -> dict:
+    """Kernel rates of one device (one process's share of the cores), as a cluster file entry."""
     repeats = 2 if quick else 5
     n = 256 if quick else 1024
     threads = torch.get_num_threads()
@@ -126,18 +257,29 @@ def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False
     try:
         flops = {"fp32": matmul_flops(torch.float32, n, repeats), "bf16": matmul_flops(torch.bfloat16, n, repeats)}
         bandwidth = memory_bandwidth((32 if quick else 256) * 2**20, repeats)
+        efficiency = class_efficiencies(flops["fp32"], bandwidth, repeats)
     finally:
         torch.set_num_threads(threads)
-    sizes = (2**10, 2**20, 2**22) if quick else (2**10, 2**16, 2**20, 2**22, 2**24)
-    link_bw, link_lat, overhead = collective_link(world, sizes, repeats) if world > 1 else (2 * GB, 50e-6, 0.0)
-    link_bw = min(link_bw, bandwidth)  # a noisy fit must not claim a link faster than memory
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // world
+    return {"name": name, "peak_TFLOPS": {k: round(v / 1e12, 6) for k, v in flops.items()},
+            "memory_GB": round(memory / GB, 3), "memory_bandwidth_GBps": round(bandwidth / GB, 3),
+            "op_class_efficiency": efficiency}
+
+
+def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False) -> dict:
+    """Measure, and return the cluster file's content as a mapping."""
+    repeats = 2 if quick else 5
+    device = _device_entry(name, world, quick)
+    sizes = (2**10, 2**20, 2**22) if quick else (2**10, 2**16, 2**20, 2**22, 2**24)
+    link, overhead = collective_link(world, sizes, repeats, device) if world > 1 \
+        else ({"bandwidth_Bps": 2 * GB, "latency_s": 50e-6, "efficiency": {}}, 0.0)
+    link_bw = min(link["bandwidth_Bps"], device["memory_bandwidth_GBps"] * GB)  # a noisy fit must not beat memory
+    device.pop("name")
     return {
         "devices": {name: {
-            "peak_TFLOPS": {k: round(v / 1e12, 6) for k, v in flops.items()},
-            "memory_GB": round(memory / GB, 3),
-            "memory_bandwidth_GBps": round(bandwidth / GB, 3),
-            "intra_node": {"bandwidth_GBps": round(link_bw / GB, 4), "latency_us": round(link_lat * 1e6, 2)},
+            **device,
+            "intra_node": {"bandwidth_GBps": round(link_bw / GB, 4), "latency_us": round(link["latency_s"] * 1e6, 2)},
+            "collective_efficiency": link["efficiency"],
             "op_overhead_us": round(overhead * 1e6, 2),
             "source": f"autopar profile on {socket.gethostname()}, {time.strftime('%Y-%m-%d')}, "
                       f"{max(1, (os.cpu_count() or 1) // world)} threads per device",

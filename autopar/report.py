@@ -36,6 +36,8 @@ def summary(plan: Plan) -> str:
                    format_seconds(plan.predicted_comm_s),
                    "-" if plan.stages or plan.replicas else format_bytes(plan.comm_bytes))
     console.print(memory)
+    spread = imbalance(plan)
+    console.print(f"imbalance (max/mean over devices): busy time {spread['time']:.2f}, memory {spread['memory']:.2f}")
     if plan.stages:
         console.print(_stages_table(plan))
         console.print(f"{plan.schedule} timeline, one step ({plan.micro_batches} micro-batches; digits: forward of "
@@ -99,9 +101,9 @@ def _replicas_table(plan: Plan) -> Table:
     return table
 
 
-def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
-    """One row per stage: when it runs which micro-batch's forward (digit) or backward
-    (letter), simulated from the predicted stage and send times (backward = 2× forward).
+def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
+    """Per stage, the (start, end, "F"/"B", micro-batch) of every forward and backward in one
+    step, simulated from the predicted stage and send times (backward = 2× forward).
 
     1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
     backward, then drains; GPipe: all forwards, then all backwards.
@@ -119,7 +121,7 @@ def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
         order += [("B", i) for i in range(m - warm if plan.schedule != "GPipe" else 0, m)]
         orders.append(order)
     done: dict[tuple[str, int, int], float] = {}
-    spans: list[list[tuple[float, float, str]]] = [[] for _ in range(p)]
+    spans: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
     clock, position = [0.0] * p, [0] * p
     while any(position[s] < len(orders[s]) for s in range(p)):
         progressed = False
@@ -135,20 +137,44 @@ def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
             start = max(clock[s], ready)
             end = start + (fwd[s] if kind == "F" else bwd[s])
             done[(kind, s, i)] = clock[s] = end
-            spans[s].append((start, end, str(i % 10) if kind == "F" else chr(ord("a") + i % 26)))
+            spans[s].append((start, end, kind, i))
             position[s] += 1
             progressed = True
         if not progressed:  # cannot happen for these schedules; guard against an endless loop
             break
-    total = max(clock) or 1.0
+    return spans
+
+
+def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
+    """One text row per stage: which micro-batch's forward (digit) or backward (letter, a = 0)
+    runs when (:func:`schedule_spans`); '.' is idle."""
+    spans = schedule_spans(plan)
+    total = max((end for row in spans for _, end, _, _ in row), default=0.0) or 1.0
     rows = []
     for s, st in enumerate(plan.stages):
         cells = ["."] * width
-        for start, end, mark in spans[s]:
+        for start, end, kind, i in spans[s]:
+            mark = str(i % 10) if kind == "F" else chr(ord("a") + i % 26)
             for c in range(int(start / total * width), max(int(start / total * width) + 1, int(end / total * width))):
                 cells[min(c, width - 1)] = mark
         rows.append(f"stage {s} {st.group:>10} |{''.join(cells)}|")
     return rows
+
+
+def imbalance(plan: Plan) -> dict[str, float]:
+    """max/mean over devices of the time each is busy per step and of its memory: 1.00 when
+    every device runs the same program (one mesh); pipeline stages and replicas differ."""
+    groups = plan.stages or plan.replicas
+    if not groups:
+        return {"time": 1.0, "memory": 1.0}
+    busy = [g.compute_s for g in groups for _ in g.ranks]
+    memory = [g.memory.total_bytes for g in groups for _ in g.ranks]
+
+    def ratio(values: list[float]) -> float:
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean else 1.0
+
+    return {"time": ratio(busy), "memory": ratio(memory)}
 
 
 _TOP = 5

@@ -5,7 +5,7 @@
    Megatron-TP) are planned for 2 processes on that profile;
 3. each plan is lowered in a 2-process gloo world and one training step (``pmodel.step``:
    forward, backward, gradient sync; no optimizer, which the model does not cost) is timed:
-   median of 5 steps after 2 warm-up steps, on rank 0 between barriers.
+   median of 9 steps after 2 warm-up steps, on rank 0 between barriers.
 
 Prints a table (predicted, measured, ratio), the Spearman rank correlation and the median
 absolute relative error, and for each model whether autopar's plan measured fastest (or
@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "tests")]
 
 import torch  # noqa: E402
+import yaml  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -63,8 +64,9 @@ def loss_of(name: str):
     return F.mse_loss
 
 
-def measure(name: str, plan_json: str, warmup: int = 2, steps: int = 5) -> float:
+def measure(name: str, plan_json: str, warmup: int = 2, steps: int = 9) -> float:
     """Median seconds of one pmodel.step in this world (runs on every rank; rank 0 reports)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))  # as `autopar profile` assumes
     model, inputs, target = build(name)
     pmodel = autopar.apply(model, autopar.Plan.from_json(plan_json), loss_fn=loss_of(name))
     times = []
@@ -104,6 +106,9 @@ def main() -> None:
             start = time.perf_counter()
             write_profile(cluster, world=2)
             print(f"profiled this machine in {time.perf_counter() - start:.1f} s", flush=True)
+        with open(cluster) as f:
+            profile = yaml.safe_load(f)
+        print("profile:", json.dumps(profile["devices"]), flush=True)
         rows = []
         for name in ("mlp-1024", "gpt-2L-128", "block-256", "convnet"):
             model, inputs, _ = build(name)
@@ -134,7 +139,7 @@ def main() -> None:
         fastest = min(r["measured_ms"] for r in mine)
         ours = next((r["measured_ms"] for r in mine if r["plan"] == "autopar"), None)
         verdicts[name] = ours is not None and ours <= 1.10 * fastest
-    summary = {"rows": rows, "spearman": spearman(predicted, measured), "median_abs_rel_error": statistics.median(errors),
+    summary = {"profile": profile, "rows": rows, "spearman": spearman(predicted, measured), "median_abs_rel_error": statistics.median(errors),
                "autopar_fastest_within_10pct": verdicts}
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "cost_model_accuracy.json"), "w") as f:

@@ -10,8 +10,9 @@ The emitted module is ``ExportedProgram.module()`` with
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
     ``rowwise_embedding`` for lookups in a table sharded by rows;
   * ``to_full`` on every output, so callers get plain full tensors.
-Gradients of parameters are brought to the parameter's placement right after they are
-accumulated (a replicated parameter's partial gradient is all-reduced once per step).
+Gradients of parameters are brought to the parameter's placement when the backward pass ends
+(a replicated parameter's partial gradient is all-reduced once per step, in one flat buffer
+with the others, as DistributedDataParallel's buckets do).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import operator
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -49,7 +51,7 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     """Rewrite ``gm`` (the whole model, or one pipeline stage) in place for ``mesh``.
     ``input_names``: the plan's node for each placeholder, in order. Without
     ``sync_on_accumulate`` the caller brings gradients to their placements itself
-    (:func:`sync_grad`, once after all micro-batches)."""
+    (:func:`sync_grads`, once after all micro-batches)."""
     _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate)
     setattr(gm, MESH_ATTR, mesh)
     _rewrite(gm, plan, input_names)
@@ -65,6 +67,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
     alias_of = captured.aliases
     placed: dict[str, tuple[str, str]] = {}  # alias name -> (planned fqn, placement)
+    gradient_sync = GradientSync()
     owned = {name for name, _ in gm.named_parameters(remove_duplicate=False)}  # a stage holds only its own
     for fqn, pplan in plan.parameters.items():
         if fqn not in owned:
@@ -88,7 +91,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
         if sync_on_accumulate:
-            param.register_post_accumulate_grad_hook(sync_grad)
+            param.register_post_accumulate_grad_hook(gradient_sync)
     for name, value in list(gm.named_buffers()):
         owner, attr = _owner(gm, name)
         value = source.get(name, value)
@@ -125,6 +128,66 @@ def sync_grad(param: nn.Parameter) -> None:
     grad = param.grad
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def _bucket_dims(param: nn.Parameter) -> tuple[int, ...] | None:
+    """Mesh dims on which the gradient is a pending sum the parameter wants replicated, when
+    that is all that differs (an all-reduce of the local tensor finishes it); else None."""
+    grad = param.grad
+    if not isinstance(grad, DTensor) or not isinstance(param, DTensor):
+        return None
+    dims = []
+    for d, (have, want) in enumerate(zip(grad.placements, param.placements)):
+        if have == want:
+            continue
+        if not (have.is_partial() and getattr(have, "reduce_op", None) == "sum" and want.is_replicate()):
+            return None
+        dims.append(d)
+    return tuple(dims)
+
+
+def sync_grads(params: list[nn.Parameter]) -> None:
+    """:func:`sync_grad` for many parameters, with the pending sums that only need an
+    all-reduce flattened into one buffer per (mesh, mesh dims, dtype) — DDP's buckets, so a
+    step pays one collective latency instead of one per parameter. The rest (reduce-scatters
+    into a sharded parameter) are redistributed one by one."""
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for param in params:
+        dims = _bucket_dims(param)
+        if dims is None:
+            sync_grad(param)
+        elif dims:
+            buckets.setdefault((id(param.device_mesh), dims, param.grad.dtype), []).append(param)
+    for (_, dims, _), members in buckets.items():
+        mesh = members[0].device_mesh
+        locals_ = [p.grad.to_local() for p in members]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for d in dims:
+            dist.all_reduce(flat, group=mesh.get_group(d))
+        offset = 0
+        for param, local in zip(members, locals_):
+            part = flat[offset:offset + local.numel()].view_as(local)
+            offset += local.numel()
+            param.grad = DTensor.from_local(part, mesh, param.placements, run_check=False,
+                                            shape=param.shape, stride=param.stride())
+
+
+class GradientSync:
+    """Synchronises gradients once per backward pass: each parameter reports when its gradient
+    is accumulated, and the first report queues :func:`sync_grads` to run when autograd's
+    engine finishes the pass (the callback DistributedDataParallel uses for its buckets)."""
+
+    def __init__(self) -> None:
+        self.pending: list[nn.Parameter] = []
+
+    def __call__(self, param: nn.Parameter) -> None:
+        if not self.pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self.pending.append(param)
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, []
+        sync_grads(pending)
 
 
 def _owner(gm: nn.Module, fqn: str) -> tuple[nn.Module, str]:

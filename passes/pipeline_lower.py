@@ -28,7 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autopar.plan import Plan
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
-from autopar.passes.lower import lower_module, sync_grad
+from autopar.passes.lower import lower_module, sync_grads
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"
@@ -67,9 +67,7 @@ class PipelineRuntime:
             self.schedule.step(target=target, losses=losses)
         else:
             self.schedule.step()
-        for param in self.module.parameters():
-            if param.grad is not None:
-                sync_grad(param)
+        sync_grads([param for param in self.module.parameters() if param.grad is not None])
         loss = torch.stack([x.detach() for x in losses]).mean() if self.is_last else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.lane)
         return loss

@@ -253,22 +253,23 @@ def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...
     """Forward (+ backward) time to turn placement ``src`` into ``dst``; None if impossible.
 
     ``regather`` (parameter edges): a sharded parameter gathered for use is gathered again for
-    backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and
-    gradient collectives are bucketed, so their latency term is dropped.
+    backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and a
+    gradient that only needs all-reduces (a replicated parameter's partial sums) joins one
+    flat buffer with the others (passes.lower.sync_grads), so its latency term is dropped.
     """
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
         return forward
-    # parameter gradients are synchronised in buckets (DDP/FSDP), so no per-tensor latency
-    links = tuple(Link(link.bandwidth_Bps, 0.0) for link in mesh.links) if regather else mesh.links
     grad = tuple(b if b.startswith("S(") else ("P" if split and split[d] and b == "R" else "R")
                  for d, b in enumerate(dst))
     want = tuple("R" if a.startswith("P") else a for a in src)
+    bucketed = regather and all(g == w or (g == "P" and w == "R") for g, w in zip(grad, want))
+    links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
     total = forward + _sequential_s(grad, want, nbytes, mesh, links)
     if regather:
         total += _sequential_s(tuple(a if a.startswith("S(") else "R" for a in src),
                                tuple("R" if a.startswith("S(") and b == "R" else (a if a.startswith("S(") else "R")
-                                     for a, b in zip(src, dst)), nbytes, mesh, links)
+                                     for a, b in zip(src, dst)), nbytes, mesh, mesh.links)
     return total
 
 

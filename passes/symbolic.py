@@ -89,7 +89,7 @@ def annotate_symbolic(captured: Captured, model: nn.Module, example_inputs) -> i
                 _fit(node, "FLOPs", sizes, [c.flops for c in costs]),
                 _fit(node, "bytes read", sizes, [c.bytes_read for c in costs]),
                 _fit(node, "bytes written", sizes, [c.bytes_written for c in costs]),
-                first.is_view, first.dtype)
+                first.is_view, first.dtype, first.op_class)
     return b0
 
 

@@ -61,7 +61,8 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     assert set(params) == set(ref_params), set(params) ^ set(ref_params)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    errors = {"output": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0}
+    errors = {"output": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0, "param_flat": 0.0}
+    largest_grad = {name: torch.zeros_like(ref_params[name]) for name in params}  # per element, over steps
     for _ in range(steps):
         out, ref_out = pmodel(*inputs), reference(*inputs)
         loss, ref_loss = out.float().square().mean(), ref_out.float().square().mean()
@@ -77,12 +78,17 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
                 continue
             if ref_grad is not None:
                 errors["grad"] = max(errors["grad"], (_full(p.grad) - ref_grad).abs().max().item())
+                largest_grad[name] = torch.maximum(largest_grad[name], ref_grad.abs())
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     for name, p in params.items():
-        diff = (_full(p.detach()) - ref_params[name].detach()).abs().max().item()
-        if diff > errors["param"]:
-            errors["param"], errors["param_worst"] = diff, name
+        diff = (_full(p.detach()) - ref_params[name].detach()).abs()
+        # elements whose gradient is round-off only (an attention key bias: analytically zero)
+        # move by AdamW's normalised noise, up to lr per step; they are reported apart
+        flat = largest_grad[name] < 1e-6
+        for key, part in (("param_flat", diff[flat]), ("param", diff[~flat])):
+            if part.numel() and part.max().item() > errors[key]:
+                errors[key], errors[key + "_worst"] = part.max().item(), name
     errors["placements"] = sorted({str(tuple(p.placements)) for p in params.values()})
     errors["redistributes"] = pmodel.code.count("redistribute(")
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
@@ -94,7 +100,7 @@ def assert_equivalent(cases: list, results: list, bound=lambda case, key: 1e-5) 
     gradient exchanges the plans used (``ParameterPlan.exchange``)."""
     exchanges = set()
     for case, errors in zip(cases, results, strict=True):
-        for key in ("output", "loss", "grad", "param"):
+        for key in ("output", "loss", "grad", "param", "param_flat"):
             assert errors[key] <= bound(case, key), (case[0], case[1], case[4], key, errors)
         assert "missing_grad" not in errors, (case, errors)
         exchanges |= set(errors["exchanges"])

@@ -37,6 +37,7 @@ def test_plan_factory_json_and_show(tmp_path):
     assert shown.returncode == 0, shown.stderr
     again = json.loads(shown.stdout)
     assert again["predicted_step_s"] == summary["predicted_step_s"]
+    assert again["imbalance"] == {"time": 1.0, "memory": 1.0}  # one mesh: every device runs the same program
     top = again["top_nodes"]["by_time"]
     assert len(top) == 5 and top[0]["compute_s"] + top[0]["reshard_s"] >= top[-1]["compute_s"] + top[-1]["reshard_s"]
     assert [g["layers"] for g in again["layers"]] == ["layers.0", "layers.1", "layers.2"] or \

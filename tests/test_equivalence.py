@@ -4,10 +4,12 @@ Each case: outputs, loss and every gradient over 3 steps, and parameters after 3
 Memory limits below the unconstrained plan's footprint force sharded placements, so the
 cases exercise resharding collectives, not only replication.
 
-Tolerances: 1e-5 everywhere, except parameters after AdamW in float32 attention models
-(1e-3): the attention key bias has an analytically zero gradient, and Adam divides that
-round-off noise (~1e-9) by its own magnitude, turning it into updates of ~lr. The same
-models in float64 meet 1e-5 on parameters too (see the float64 cases).
+Tolerances: 1e-5 everywhere, except parameters after AdamW in float32 attention models.
+There, elements whose gradient is round-off only (the attention key bias: analytically zero)
+are checked apart: Adam divides that noise (~1e-9) by its own magnitude and moves them by up
+to lr per step, so they are only bounded by 3 steps × lr; the other elements meet 2e-4 (Adam
+still amplifies the relative noise of small gradients: observed up to 8e-5). The same models
+in float64 meet 1e-5 on every parameter (see the float64 cases).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ WORLD4 = [
     ("MLP", {}, "vec", 8, {"cluster": "4xH100", "memory_fraction": 0.5, "mesh_shape": (2, 2)}),
     ("Block", {}, "seq", 4, {"cluster": "4xH100", "memory_fraction": 0.5, "mesh_shape": (2, 2)}, "float64"),
     ("GPT", {"layers": 4}, "tokens", 4, {"cluster": "4xH100", "memory_fraction": 0.5}, "float64"),
-    ("ConvNet", {}, "image", 4, {"cluster": "4xH100", "memory_fraction": 0.5}),
+    ("ConvNet", {}, "image", 4, {"cluster": "4xH100", "memory_fraction": 0.3}),  # 0.5 fits with weights replicated
 ]
 
 
@@ -40,7 +42,8 @@ def _check(cases, results):
         assert errors["output"] <= 1e-5, (label, errors)
         assert errors["loss"] <= 1e-5, (label, errors)
         assert errors["grad"] <= 1e-5, (label, errors)
-        assert errors["param"] <= (1e-3 if float32_attention else 1e-5), (label, errors)
+        assert errors["param"] <= (2e-4 if float32_attention else 1e-5), (label, errors)
+        assert errors["param_flat"] <= (3 * 1e-2 if float32_attention else 1e-5), (label, errors)
         # the memory limit must have forced real sharding, not a replicated plan
         assert any("Shard" in p for p in errors["placements"]), (label, errors)
 

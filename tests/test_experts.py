@@ -74,9 +74,11 @@ MOE_WORLD2 = [
      "float64"),
     ("MoEGPT", {"d": 32, "hidden": 64, "experts": 4}, "tokens", 8, {"cluster": "2xH100"}),
 ]
-MOE_WORLD4 = [  # experts split over one mesh dim and their hidden dim over the other; expert TP alone
-    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8}, "tokens", 8,
+MOE_WORLD4 = [  # 2 experts over one mesh dim and their hidden dim over the other; expert TP alone; 8 experts EP
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 2}, "tokens", 8,
      {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.4}, "float64"),
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 2}, "tokens", 8,
+     {"cluster": "4xH100", "mesh_shape": (4,), "memory_fraction": 0.6}, "float64"),
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8}, "tokens", 8,
      {"cluster": "4xH100", "mesh_shape": (4,), "memory_fraction": 0.8}, "float64"),
 ]
@@ -85,11 +87,12 @@ MOE_WORLD4 = [  # experts split over one mesh dim and their hidden dim over the 
 def _bound(case, key: str) -> float:
     """Routing is discrete: a choice flipped by round-off would show as an O(1) error, so
     float32 passing at all says the routing matched. Its bounds are float32 round-off
-    (outputs ~2 in size) and, for parameters, Adam's amplification of the attention key
-    bias's zero-gradient noise (see test_equivalence); float64 meets 1e-5 everywhere."""
+    (outputs ~2 in size) and, for parameters, Adam's amplification of small gradients' noise
+    (elements with round-off-only gradients, the attention key bias, move up to lr per step:
+    see test_equivalence); float64 meets 1e-5 everywhere."""
     if len(case) > 5 and case[5] == "float64":
         return 1e-5
-    return {"output": 1e-4, "param": 1e-3}.get(key, 1e-5)
+    return {"output": 1e-4, "param": 1e-3, "param_flat": 3 * 1e-2}.get(key, 1e-5)
 
 
 @pytest.mark.distributed

@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.html_report import render, write
-from models import GPT
+from models import GPT, tiny_gpt
 
 ARTIFACTS = os.path.join(os.path.dirname(__file__), "artifacts")
 
@@ -39,6 +39,27 @@ def plan():
     return autopar.plan(GPT(layers=2), (torch.randint(0, 64, (4, 8)),), cluster="2xH100")
 
 
+@pytest.fixture(scope="module")
+def pipeline_plan():
+    model, inputs = tiny_gpt()
+    cluster = os.path.join(os.path.dirname(__file__), "clusters", "four_cpu_regions.yaml")
+    return autopar.plan(model, inputs, cluster=cluster, pipeline=True)
+
+
+def test_report_draws_the_pipeline_schedule(pipeline_plan):
+    page = render(pipeline_plan)
+    parser = _Collect()
+    parser.feed(page)
+    assert parser.sources == []
+    assert "Pipeline schedule" in parser.headings
+    stages, micro_batches = len(pipeline_plan.stages), pipeline_plan.micro_batches
+    assert stages == 2 and page.count('class="mb"') == 2 * stages * micro_batches  # a forward and a backward each
+    assert "imbalance (max/mean over devices)" in page
+    for st in pipeline_plan.stages:  # every device is listed with its own stage's memory
+        for rank in st.ranks:
+            assert f"<td>{rank} ({st.group})</td>" in page
+
+
 def test_report_is_self_contained_with_expected_sections(plan):
     page = render(plan)
     parser = _Collect()
@@ -51,7 +72,7 @@ def test_report_is_self_contained_with_expected_sections(plan):
     assert "ddp" in page and "fsdp" in page
 
 
-def test_report_in_headless_chromium(plan, tmp_path):
+def test_report_in_headless_chromium(plan, pipeline_plan, tmp_path):
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         pytest.skip("Debian chromium is not installed (.ci/run installs it where apt-get is available)")
@@ -65,8 +86,18 @@ def test_report_in_headless_chromium(plan, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert "Memory per device" in dom.stdout and "Parameter placements by layer" in dom.stdout
     assert "Uncaught" not in dom.stderr and "CONSOLE" not in dom.stderr
+    piped = tmp_path / "pipeline.html"
+    write(pipeline_plan, str(piped))
+    dom = subprocess.run([browser, *flags, "--dump-dom", f"file://{piped}"], capture_output=True, text=True,
+                         timeout=120)
+    assert dom.returncode == 0 and "Pipeline schedule" in dom.stdout and "bubble" in dom.stdout, dom.stderr[-2000:]
+    assert "Uncaught" not in dom.stderr and "CONSOLE" not in dom.stderr
     os.makedirs(ARTIFACTS, exist_ok=True)
     shot = os.path.join(ARTIFACTS, "report.png")
     done = subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,1600", f"file://{path}"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and os.path.getsize(shot) > 10_000, done.stderr[-2000:]
+    shot = os.path.join(ARTIFACTS, "pipeline_report.png")
+    done = subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,1600", f"file://{piped}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and os.path.getsize(shot) > 10_000, done.stderr[-2000:]

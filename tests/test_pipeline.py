@@ -234,9 +234,15 @@ def test_cli_plans_stages_and_show_draws_the_timeline(tmp_path):
     summary = json.loads(done.stdout)
     assert [st["group"] for st in summary["stages"]] == ["a", "b"] and summary["micro_batches"] == 4
     assert summary["bubble"] == pytest.approx(1 / 5) and len(summary["peak_memory_bytes"]) == 4
+    busy = [st["predicted_step_s"] for st in summary["stages"]]
+    assert summary["imbalance"]["time"] == pytest.approx(max(busy) / (sum(busy) / 2))
+    assert summary["imbalance"]["memory"] == pytest.approx(
+        max(summary["peak_memory_bytes"]) / (sum(summary["peak_memory_bytes"]) / 4))
     shown = cli("show", str(out), "--html", str(tmp_path / "plan.html"))
     assert shown.returncode == 0, shown.stderr
     assert "pipeline: 2 stages, 4 micro-batches, 1F1B" in shown.stdout
+    assert f"busy time {summary['imbalance']['time']:.2f}" in shown.stdout
+    assert "Pipeline schedule" in (tmp_path / "plan.html").read_text()
     rows = [line for line in shown.stdout.splitlines() if line.startswith("stage ")]
     assert len(rows) == 2 and all(mark in rows[0] for mark in "0123abcd"), rows
 

@@ -29,7 +29,7 @@ from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, StagePlan, TensorSpec
 from autopar.units import format_bytes
-from autopar.passes.capture import Captured, capture, normalize_inputs
+from autopar.passes.capture import Captured, capture, leading_batch, normalize_inputs
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
@@ -95,11 +95,7 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
 
 
 def _micro_batch_counts(inputs: tuple, stages: int, pinned: int | None) -> list[int]:
-    batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
-    if any(x.dim() == 0 or x.shape[0] != batch for x in inputs):
-        raise AutoparError(ErrorKind.BAD_INPUT,
-                           f"pipeline micro-batches split every input on dim 0, but the inputs' leading sizes are "
-                           f"{[tuple(x.shape[:1]) for x in inputs]}; give every input the batch as its first dim")
+    batch = leading_batch(inputs, "pipeline micro-batches")
     if pinned is not None:
         if not isinstance(pinned, int) or pinned < 1 or batch % pinned:
             raise AutoparError(ErrorKind.BAD_INPUT,

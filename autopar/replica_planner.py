@@ -28,7 +28,7 @@ from autopar.comm import all_reduce_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, StagePlan, TensorSpec
 from autopar.units import format_bytes
-from autopar.passes.capture import capture, normalize_inputs
+from autopar.passes.capture import capture, leading_batch, normalize_inputs
 from autopar.pipeline_planner import pipeline_ready
 from autopar.planner import make_plan, recost
 
@@ -58,10 +58,7 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
     if reason:
         raise AutoparError(ErrorKind.BAD_INPUT, f"cannot plan data-parallel replicas on {cluster.describe()}: {reason}")
     inputs = normalize_inputs(example_inputs)
-    batch = inputs[0].shape[0] if inputs[0].dim() else 0
-    if any(x.dim() == 0 or x.shape[0] != batch for x in inputs):
-        raise AutoparError(ErrorKind.BAD_INPUT, "replicas split every input on dim 0; give every input the batch "
-                           f"as its first dim (leading sizes {[tuple(x.shape[:1]) for x in inputs]})")
+    batch = leading_batch(inputs, "replicas")
     groups = cluster.groups()
     options = dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, baselines=False)
     start = time.perf_counter()

@@ -85,6 +85,17 @@ def normalize_inputs(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
+def leading_batch(inputs: tuple, splitter: str) -> int:
+    """The batch size shared by every input's first dim, which ``splitter`` (pipeline
+    micro-batches, replicas) cuts into rows; a clear error when the inputs disagree."""
+    batch = inputs[0].shape[0] if inputs and inputs[0].dim() else 0
+    if any(x.dim() == 0 or x.shape[0] != batch for x in inputs):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"{splitter} split every input on dim 0, but the inputs' leading sizes are "
+                           f"{[tuple(x.shape[:1]) for x in inputs]}; give every input the batch as its first dim")
+    return batch
+
+
 def capture(model: nn.Module, example_inputs) -> Captured:
     """Export ``model`` on ``example_inputs`` and decompose to core ATen."""
     if not isinstance(model, nn.Module):

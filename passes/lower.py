@@ -160,16 +160,35 @@ def sync_grads(params: list[nn.Parameter]) -> None:
             buckets.setdefault((id(param.device_mesh), dims, param.grad.dtype), []).append(param)
     for (_, dims, _), members in buckets.items():
         mesh = members[0].device_mesh
-        locals_ = [p.grad.to_local() for p in members]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        for d in dims:
-            dist.all_reduce(flat, group=mesh.get_group(d))
-        offset = 0
-        for param, local in zip(members, locals_):
-            part = flat[offset:offset + local.numel()].view_as(local)
-            offset += local.numel()
+        summed = all_reduce_flat([p.grad.to_local() for p in members], [mesh.get_group(d) for d in dims])
+        for param, part in zip(members, summed):
             param.grad = DTensor.from_local(part, mesh, param.placements, run_check=False,
                                             shape=param.shape, stride=param.stride())
+
+
+def all_reduce_flat(tensors: list[torch.Tensor], groups: list) -> list[torch.Tensor]:
+    """Sum same-dtype ``tensors`` over each process group in turn with one all-reduce per
+    group on a flat copy; returns views of the result shaped like the inputs."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    for group in groups:
+        dist.all_reduce(flat, group=group)
+    parts, offset = [], 0
+    for t in tensors:
+        parts.append(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return parts
+
+
+def group_meshes(groups: tuple, device_type: str) -> tuple[list[DeviceMesh], list[dist.ProcessGroup], int, int]:
+    """Every group's DeviceMesh (pipeline stages, replicas: ``StagePlan``s) and every lane's
+    process group (the k-th rank of every group). Every rank builds all of them, in the same
+    order, as process-group creation requires; returns them with this rank's group and lane."""
+    meshes = [DeviceMesh(device_type, torch.tensor(g.ranks).reshape(g.mesh_shape), mesh_dim_names=g.mesh_dim_names)
+              for g in groups]
+    lanes = [dist.new_group([g.ranks[k] for g in groups]) for k in range(len(groups[0].ranks))]
+    rank = dist.get_rank()
+    mine = next(i for i, g in enumerate(groups) if rank in g.ranks)
+    return meshes, lanes, mine, groups[mine].ranks.index(rank)
 
 
 class GradientSync:

@@ -28,7 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autopar.plan import Plan
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
-from autopar.passes.lower import lower_module, sync_grads
+from autopar.passes.lower import group_meshes, lower_module, sync_grads
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"
@@ -82,14 +82,8 @@ class PipelineRuntime:
 
 def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None,
                    device_type: str) -> tuple[torch.fx.GraphModule, PipelineRuntime]:
-    rank = dist.get_rank()
-    meshes = [DeviceMesh(device_type, torch.tensor(st.ranks).reshape(st.mesh_shape), mesh_dim_names=st.mesh_dim_names)
-              for st in plan.stages]
+    meshes, groups, s, k = group_meshes(plan.stages, device_type)
     lane_meshes = [DeviceMesh(device_type, torch.tensor(st.ranks)) for st in plan.stages]
-    lanes = [[st.ranks[k] for st in plan.stages] for k in range(len(plan.stages[0].ranks))]
-    groups = [dist.new_group(ranks) for ranks in lanes]
-    s = next(i for i, st in enumerate(plan.stages) if rank in st.ranks)
-    k = plan.stages[s].ranks.index(rank)
 
     gm = captured.program.module()
     layers = layer_order(gm.graph)
@@ -107,7 +101,7 @@ def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Ca
     _slice_boundaries(module, lane_meshes[s], s > 0, s < len(plan.stages) - 1, width)
     examples = tuple(_sliced(t, width) for t in examples) if s > 0 else examples
     outputs = tuple(_sliced(t, width) for t in outputs) if s < len(plan.stages) - 1 else outputs
-    runtime = PipelineRuntime(module, s, plan, groups[k], lanes[k], examples,
+    runtime = PipelineRuntime(module, s, plan, groups[k], [st.ranks[k] for st in plan.stages], examples,
                               outputs[0] if len(outputs) == 1 else outputs, loss_fn, torch.device(device_type))
     return module, runtime
 

@@ -14,13 +14,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import capture
-from autopar.passes.lower import lower_module
+from autopar.passes.lower import all_reduce_flat, group_meshes, lower_module
 
 
 class ReplicaRuntime:
@@ -38,16 +37,18 @@ class ReplicaRuntime:
     def train_step(self, inputs: tuple, target) -> torch.Tensor:
         loss = self.loss_fn(self.module(*(self._mine(x) for x in inputs)), self._mine(target)) * (self.rows / self.total)
         loss.backward()
-        with torch.no_grad():
+        with torch.no_grad():  # sum over groups: one flat all-reduce per dtype
+            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for param in self.module.parameters():
-                if param.grad is None:
-                    continue
-                grad = param.grad
-                local = (grad.to_local() if isinstance(grad, DTensor) else grad).contiguous()
-                dist.all_reduce(local, group=self.lane)
-                param.grad = DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False,
-                                                shape=grad.shape, stride=grad.stride()) \
-                    if isinstance(grad, DTensor) else local
+                if param.grad is not None:
+                    by_dtype.setdefault(param.grad.dtype, []).append(param)
+            for members in by_dtype.values():
+                grads = [p.grad for p in members]
+                summed = all_reduce_flat([g.to_local() if isinstance(g, DTensor) else g for g in grads], [self.lane])
+                for param, grad, part in zip(members, grads, summed):
+                    param.grad = DTensor.from_local(part, grad.device_mesh, grad.placements, run_check=False,
+                                                    shape=grad.shape, stride=grad.stride()) \
+                        if isinstance(grad, DTensor) else part
             total = loss.detach().clone()
             dist.all_reduce(total, group=self.lane)
         return total
@@ -61,12 +62,7 @@ class ReplicaRuntime:
 
 def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, device_type: str
                    ) -> tuple[torch.fx.GraphModule, ReplicaRuntime]:
-    rank = dist.get_rank()
-    meshes = [DeviceMesh(device_type, torch.tensor(r.ranks).reshape(r.mesh_shape), mesh_dim_names=r.mesh_dim_names)
-              for r in plan.replicas]
-    width = len(plan.replicas[0].ranks)
-    lanes = [dist.new_group([r.ranks[k] for r in plan.replicas]) for k in range(width)]
-    g = next(i for i, r in enumerate(plan.replicas) if rank in r.ranks)
+    meshes, lanes, g, lane = group_meshes(plan.replicas, device_type)
     replica = plan.replicas[g]
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     inputs = tuple(torch.zeros((replica.batch, *spec.shape[1:]), dtype=getattr(torch, spec.dtype), device=device)
@@ -78,4 +74,4 @@ def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, devic
                            f"{replica.fingerprint}, this model captures as {captured.fingerprint}); re-plan this model")
     module = captured.program.module()
     lower_module(module, [spec.name for spec in plan.inputs], plan, meshes[g], model, captured)
-    return module, ReplicaRuntime(module, plan, g, lanes[replica.ranks.index(rank)], loss_fn)
+    return module, ReplicaRuntime(module, plan, g, lanes[lane], loss_fn)

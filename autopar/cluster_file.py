@@ -120,11 +120,15 @@ def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
         memory_bandwidth_Bps=min(d.memory_bandwidth_Bps for d in devices),
         compute_efficiency=min(d.compute_efficiency for d in devices),
         memory_efficiency=min(d.memory_efficiency for d in devices), aliases=(),
-        class_efficiency=tuple(sorted((c, min(d.efficiency(c) for d in devices))
-                                      for c in {c for d in devices for c, _ in d.class_efficiency})),
-        collective_efficiency=tuple(sorted(
-            (c, min(dict(d.collective_efficiency).get(c, 1.0) for d in devices))
-            for c in {c for d in devices for c, _ in d.collective_efficiency})))
+        class_efficiency=_weakest(devices, "class_efficiency"),
+        collective_efficiency=_weakest(devices, "collective_efficiency"))
+
+
+def _weakest(devices: list[DeviceSpec], field: str) -> tuple[tuple[str, float], ...]:
+    """Per kind listed by any device, the lowest efficiency among them (unlisted = 1)."""
+    tables = [dict(getattr(d, field)) for d in devices]
+    kinds = {kind for table in tables for kind in table}
+    return tuple(sorted((kind, min(table.get(kind, 1.0) for table in tables)) for kind in kinds))
 
 
 def _custom_devices(section, where) -> dict[str, DeviceSpec]:

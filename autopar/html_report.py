@@ -19,7 +19,7 @@ from rich.console import Console
 
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
-    _experts_table, _replicas_table, _sparse_table, _stages_table, imbalance, schedule_spans)
+    experts_table, replicas_table, sparse_table, stages_table, imbalance, schedule_spans)
 from autopar.units import format_bytes, format_seconds
 
 _COLORS = {"R": "#9aa5b1", "S": "#2f80ed", "P": "#f2994a", "-": "#dddddd"}
@@ -110,9 +110,9 @@ def render(plan: Plan) -> str:
                                                  plan.predicted_step_s))
     if plan.stages:
         body.append(f"<h2>Pipeline schedule</h2><p>{plan.schedule}, {plan.micro_batches} micro-batches, bubble "
-                    f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _rich_table(_stages_table(plan)))
+                    f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _rich_table(stages_table(plan)))
     if plan.replicas:
-        body.append("<h2>Data-parallel replicas</h2>" + _rich_table(_replicas_table(plan)))
+        body.append("<h2>Data-parallel replicas</h2>" + _rich_table(replicas_table(plan)))
     body.append("<h2>Baselines</h2><table><tr><th>plan</th><th>predicted step</th><th>vs autopar</th></tr>"
                 f"<tr><td>autopar</td><td>{format_seconds(plan.predicted_step_s)}</td><td>1.00</td></tr>")
     for name, b in sorted(plan.baselines.items()):
@@ -122,9 +122,9 @@ def render(plan: Plan) -> str:
     body.append("</table>")
     body.append(_layer_map(plan))
     if plan.sparse:
-        body.append("<h2>Sparse tables</h2>" + _rich_table(_sparse_table(plan)))
+        body.append("<h2>Sparse tables</h2>" + _rich_table(sparse_table(plan)))
     if plan.experts:
-        body.append("<h2>Mixture-of-experts layers</h2>" + _rich_table(_experts_table(plan)))
+        body.append("<h2>Mixture-of-experts layers</h2>" + _rich_table(experts_table(plan)))
     if len(plan.nodes) <= 300:
         body.append("<h2>Graph (ops in order, coloured by output placement)</h2><div>" + "".join(
             f"<span class='op' style='background:{_COLORS[_kind(n.outputs[0] if n.outputs else None)]}' "

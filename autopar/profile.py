@@ -121,7 +121,7 @@ def _collective_times(world: int, sizes: list[int], repeats: int) -> dict[str, l
              "reduce_scatter": (Partial(), Shard(0), False), "all_to_all": (Shard(0), Shard(1), True)}
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for nbytes in sizes:
-        side = max(world, int((nbytes / 4) ** 0.5) // world * world)  # a (side × side) fp32 tensor
+        side = _side(nbytes, world)
         for kind, (src, dst, sharded) in kinds.items():
             local = torch.ones(side // world if sharded else side, side)
             dist.barrier()
@@ -131,9 +131,16 @@ def _collective_times(world: int, sizes: list[int], repeats: int) -> dict[str, l
     return times
 
 
-def _whole_bytes(nbytes: int, world: int) -> int:
-    side = max(world, int((nbytes / 4) ** 0.5) // world * world)
-    return 4 * side * side
+def _side(nbytes: int, world: int) -> int:
+    """Side of the square fp32 tensor of about ``nbytes`` whose rows split evenly over ``world``."""
+    return max(world, int((nbytes / 4) ** 0.5) // world * world)
+
+
+def _link_entry(link: dict, device: dict) -> dict:
+    """A cluster file's ``intra_node`` entry for a fitted link; a noisy fit must not claim a link
+    faster than the device's memory."""
+    bandwidth = min(link["bandwidth_Bps"], device["memory_bandwidth_GBps"] * GB)
+    return {"bandwidth_GBps": round(bandwidth / GB, 4), "latency_us": round(link["latency_s"] * 1e6, 2)}
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
@@ -142,16 +149,15 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        box = [_collective_times(world, sizes, repeats)]
+        times = _collective_times(world, sizes, repeats)
+        box = [fit_collectives([4 * _side(b, world) ** 2 for b in sizes], times, world)]
         dist.broadcast_object_list(box, src=0)  # every rank calibrates with rank 0's link figures
-        link = fit_collectives([_whole_bytes(b, world) for b in sizes], box[0], world)
-        device = dict(device, intra_node={"bandwidth_GBps": min(link["bandwidth_Bps"], device["memory_bandwidth_GBps"] * GB) / GB,
-                                          "latency_us": link["latency_s"] * 1e6},
-                      collective_efficiency=link["efficiency"])
+        link = box[0]
+        device = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"])
         overhead = _calibrated_op_overhead(device, world, repeats)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(repr((box[0], overhead)))
+                f.write(repr((link, overhead)))
     finally:
         dist.destroy_process_group()
 
@@ -184,7 +190,7 @@ def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
     torch.manual_seed(0)
     model = CalibrationNet()
     x, target = torch.randn(4 * world, 16, 32), torch.randn(4 * world, 16, 32)
-    predicted = []
+    plans = []
     entry = {key: value for key, value in device.items() if key != "name"}
     with tempfile.TemporaryDirectory() as tmp:
         for overhead_us in (0.0, 1000.0):
@@ -192,9 +198,9 @@ def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
             with open(path, "w") as f:
                 yaml.safe_dump({"devices": {device["name"]: dict(entry, op_overhead_us=overhead_us)},
                                 "device": device["name"], "nodes": 1, "per_node": world}, f)
-            predicted.append(autopar.plan(model, (x,), cluster=path, configuration="ddp").predicted_step_s)
-        plan = autopar.plan(model, (x,), cluster=path, configuration="ddp")
-    pmodel = autopar.apply(model, plan, loss_fn=torch.nn.functional.mse_loss)
+            plans.append(autopar.plan(model, (x,), cluster=path, configuration="ddp"))
+    predicted = [plan.predicted_step_s for plan in plans]
+    pmodel = autopar.apply(model, plans[0], loss_fn=torch.nn.functional.mse_loss)  # DDP: same placements
 
     def step():
         dist.barrier()
@@ -222,8 +228,8 @@ def collective_link(world: int = 2, sizes: tuple[int, ...] = (2**10, 2**16, 2**2
         out = os.path.join(tmp, "times")
         mp.spawn(_collective_worker, args=(world, port, list(sizes), repeats, device, out), nprocs=world, join=True)
         with open(out) as f:
-            times, overhead = eval(f.read(), {})  # floats we wrote ourselves
-    return fit_collectives([_whole_bytes(b, world) for b in sizes], times, world), overhead
+            link, overhead = eval(f.read(), {})  # figures we wrote ourselves
+    return link, overhead
 
 
 def fit_ring(sizes: list[int], times: list[float], n: int) -> tuple[float, float]:
@@ -273,12 +279,11 @@ def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False
     sizes = (2**10, 2**20, 2**22) if quick else (2**10, 2**16, 2**20, 2**22, 2**24)
     link, overhead = collective_link(world, sizes, repeats, device) if world > 1 \
         else ({"bandwidth_Bps": 2 * GB, "latency_s": 50e-6, "efficiency": {}}, 0.0)
-    link_bw = min(link["bandwidth_Bps"], device["memory_bandwidth_GBps"] * GB)  # a noisy fit must not beat memory
     device.pop("name")
     return {
         "devices": {name: {
             **device,
-            "intra_node": {"bandwidth_GBps": round(link_bw / GB, 4), "latency_us": round(link["latency_s"] * 1e6, 2)},
+            "intra_node": _link_entry(link, device),
             "collective_efficiency": link["efficiency"],
             "op_overhead_us": round(overhead * 1e6, 2),
             "source": f"autopar profile on {socket.gethostname()}, {time.strftime('%Y-%m-%d')}, "

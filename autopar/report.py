@@ -39,13 +39,13 @@ def summary(plan: Plan) -> str:
     spread = imbalance(plan)
     console.print(f"imbalance (max/mean over devices): busy time {spread['time']:.2f}, memory {spread['memory']:.2f}")
     if plan.stages:
-        console.print(_stages_table(plan))
+        console.print(stages_table(plan))
         console.print(f"{plan.schedule} timeline, one step ({plan.micro_batches} micro-batches; digits: forward of "
                       "that micro-batch, letters: backward (a = 0), '.' idle)")
         for line in pipeline_timeline(plan):
             console.print(line, markup=False, highlight=False)
     if plan.replicas:
-        console.print(_replicas_table(plan))
+        console.print(replicas_table(plan))
     console.print(_baselines_table(plan))
     console.print(_layers_table(plan))
     for title, rows in top_nodes(plan).items():
@@ -67,16 +67,16 @@ def summary(plan: Plan) -> str:
         params.add_row(placement, exchange, str(len(names)), format_bytes(size), ", ".join(names[:3]))
     console.print(params)
     if plan.sparse:
-        console.print(_sparse_table(plan))
+        console.print(sparse_table(plan))
     if plan.experts:
-        console.print(_experts_table(plan))
+        console.print(experts_table(plan))
     ops = Counter(n.op for n in plan.nodes.values() if n.fallback)
     if ops:
         console.print(f"ops run replicated (no DTensor rule): {dict(ops)}")
     return out.getvalue()
 
 
-def _stages_table(plan: Plan) -> Table:
+def stages_table(plan: Plan) -> Table:
     table = Table(title=f"pipeline: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, {plan.schedule}, "
                         f"bubble {100 * plan.bubble:.1f}%")
     for column in ("stage", "group", "devices", "mesh", "layers", "compute/mb", "send/mb", "in flight", "memory"):
@@ -89,7 +89,7 @@ def _stages_table(plan: Plan) -> Table:
     return table
 
 
-def _replicas_table(plan: Plan) -> Table:
+def replicas_table(plan: Plan) -> Table:
     total = sum(r.batch for r in plan.replicas)
     table = Table(title=f"data-parallel replicas: the batch of {total} split by group speed, gradients summed "
                         f"between groups ({format_seconds(plan.replicas[0].send_s)} per step)")
@@ -221,7 +221,7 @@ def _layers_table(plan: Plan) -> Table:
     return table
 
 
-def _sparse_table(plan: Plan) -> Table:
+def sparse_table(plan: Plan) -> Table:
     """Parallax's view of each embedding table: how sparse its access is and what each way of
     exchanging its gradient would move."""
     table = Table(title="sparse tables: access and bytes per step per device by exchange",
@@ -236,7 +236,7 @@ def _sparse_table(plan: Plan) -> Table:
     return table
 
 
-def _experts_table(plan: Plan) -> Table:
+def experts_table(plan: Plan) -> Table:
     table = Table(title="mixture-of-experts layers: placement and tokens per device")
     for column in ("layer", "experts", "top-k", "placement", "chosen", "load from", "max/mean in order",
                    "max/mean placed", "expert order"):

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from autopar.comm import largest
-from autopar.devices import OP_CLASSES, DeviceSpec  # noqa: F401 (OP_CLASSES re-exported)
+from autopar.devices import DeviceSpec
 
 COST_KEY = "autopar.cost"
 

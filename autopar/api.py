@@ -60,7 +60,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     annotate_experts(captured, example_inputs)
     capture_s = time.perf_counter() - start
     result = _choose(model, example_inputs, target, captured, pipeline=pipeline, micro_batches=micro_batches,
-                     schedule=schedule, replicas=replicas, batch_split=batch_split, optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
+                     schedule=schedule, replicas=replicas, batch_split=batch_split, sparsity=sparsity,
+                     optimizer=optimizer, solver=solver, time_limit_s=time_limit_s,
                      mesh_shape=mesh_shape, cluster_layers=cluster_layers, configuration=configuration)
     result.timings["capture_s"] = capture_s
     if symbolic:
@@ -69,7 +70,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
 
 
 def _with_symbolic_costs(result: Plan, captured, target: Cluster, model: nn.Module, example_inputs) -> Plan:
-    from autopar.planner import symbolic_costs
+    from autopar.costing import symbolic_costs
 
     if result.stages or result.replicas:
         raise AutoparError(ErrorKind.BAD_INPUT, "symbolic costs are made for plans over one mesh; this plan uses "
@@ -84,7 +85,8 @@ def _with_symbolic_costs(result: Plan, captured, target: Cluster, model: nn.Modu
 
 def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipeline: bool | None = None,
             micro_batches: int | None = None, schedule: str = "1F1B", replicas: bool | None = None,
-            batch_split: tuple[int, ...] | None = None, **options) -> Plan:
+            batch_split: tuple[int, ...] | None = None, sparsity: dict[str, float] | None = None,
+            **options) -> Plan:
     """The fastest of one mesh over every device, pipeline stages over the device groups, and
     data-parallel replicas on the groups (see :func:`plan` for the flags)."""
     from autopar.pipeline_planner import pipeline_ready, plan_pipeline
@@ -105,7 +107,7 @@ def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipe
         "pipeline": (None if pipeline is False or replicas else lambda: plan_pipeline(
             model, example_inputs, target, micro_batches=micro_batches, schedule=schedule, **group_options)),
         "replicas": (None if replicas is False or pipeline else lambda: plan_replicas(
-            model, example_inputs, target, batch_split=batch_split, **group_options)),
+            model, example_inputs, target, batch_split=batch_split, sparsity=sparsity, **group_options)),
     }
     found: dict[str, Plan] = {}
     skipped: dict[str, str] = {}
@@ -178,12 +180,13 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
                            "to plan without one use autopar.plan(...)")
     target = Cluster.from_spec(cluster or f"{dist.get_world_size()}xcpu", options.pop("memory_limit", None))
     captured = capture(model, example_inputs)
-    annotate_lookups(captured, example_inputs, options.pop("sparsity", None))
+    sparsity = options.pop("sparsity", None)
+    annotate_lookups(captured, example_inputs, sparsity)
     annotate_experts(captured, example_inputs)
     payload = [None]
     if dist.get_rank() == 0:
         try:
-            payload[0] = _choose(model, example_inputs, target, captured, **options).to_json()
+            payload[0] = _choose(model, example_inputs, target, captured, sparsity=sparsity, **options).to_json()
         except AutoparError as exc:  # every rank must learn about it, not only rank 0
             payload[0] = exc
     dist.broadcast_object_list(payload, src=0)

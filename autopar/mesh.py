@@ -9,11 +9,13 @@ consecutive ranks; keeping it inside a host puts tensor-parallel traffic on NVLi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from autopar.cluster import Cluster, Link
+from autopar.errors import AutoparError, ErrorKind
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,16 @@ def mesh_for_shape(cluster: Cluster, shape: tuple[int, ...]) -> MeshSpec:
         links.append(cluster.group_link(int(r) for r in ranks[tuple(index)]))
     names = ("dp",) if len(shape) == 1 else tuple(f"d{i}" for i in range(len(shape)))
     return MeshSpec(shape=tuple(shape), dim_names=names, links=tuple(links))
+
+
+def checked_mesh(cluster: Cluster, shape) -> MeshSpec:
+    """The mesh of a shape a user or a plan gives, which must factor the cluster's devices."""
+    shape = tuple(int(s) for s in shape)
+    if math.prod(shape) != cluster.num_devices or any(s < 1 for s in shape):
+        raise AutoparError(ErrorKind.BAD_INPUT,
+                           f"mesh_shape {shape} has {math.prod(shape)} devices but the cluster has "
+                           f"{cluster.num_devices}; use a factorisation of {cluster.num_devices}")
+    return mesh_for_shape(cluster, shape)
 
 
 def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:

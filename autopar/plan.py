@@ -25,6 +25,11 @@ SCHEMA_VERSION = 1
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
+def placement_text(placement) -> str | None:
+    """A placement tuple as the plan writes it (``"S(0),R"``); None stays None."""
+    return None if placement is None else ",".join(placement)
+
+
 def layer_of_path(path: str) -> str | None:
     """Outermost indexed module of a dotted path (``blocks.3`` of ``blocks.3.qkv``): the unit
     repeated-layer clustering folds and reports group by.

@@ -14,12 +14,10 @@ import logging
 import math
 import time
 
-import sympy
-
-from autopar.cluster import Cluster, Link
+from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
-from autopar.mesh import MeshSpec, candidate_meshes, mesh_for_shape
-from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_of_path
+from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
+from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_of_path, placement_text
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
@@ -27,10 +25,9 @@ from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, im
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem, unit_links
-from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, exchange_bytes, sparse_exchange_s
+from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, unit_links
+from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, exchange_bytes
 from autopar.passes.strategies import enumerate_strategies
-from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
@@ -58,7 +55,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     if annotate:
         annotate_costs(captured.graph)
         annotate_saved(captured.graph)
-    meshes = [mesh_for_shape(cluster, _checked_shape(mesh_shape, cluster))] if mesh_shape else candidate_meshes(cluster)
+    meshes = [checked_mesh(cluster, mesh_shape)] if mesh_shape else candidate_meshes(cluster)
     engine = get_solver(solver, time_limit_s=time_limit_s)
     repeated = find_repeated_layers(captured) if cluster_layers else {}
     repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
@@ -228,22 +225,18 @@ def _leaf_options(index: ProblemIndex) -> list[list[str]]:
             for kind, options in zip(index.kinds, index.strategies)]
 
 
-def _checked_shape(shape, cluster: Cluster) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in shape)
-    if math.prod(shape) != cluster.num_devices or any(s < 1 for s in shape):
-        raise AutoparError(ErrorKind.BAD_INPUT,
-                           f"mesh_shape {shape} has {math.prod(shape)} devices but the cluster has "
-                           f"{cluster.num_devices}; use a factorisation of {cluster.num_devices}")
-    return shape
-
-
 def _infeasible(cluster: Cluster, needed: int, candidates) -> AutoparError:
     limit = cluster.memory_limit_bytes
+    if needed > limit:
+        shortfall = f"{needed - limit} bytes over"
+    else:  # each node's leanest strategy fits, but they do not chain without resharding copies
+        shortfall = ("each node's leanest placement would fit, but no placement of the whole graph "
+                     "that chains them does")
     return AutoparError(
         ErrorKind.INFEASIBLE_MEMORY,
         f"no plan fits in memory on {cluster.describe()}: even the most sharded placement needs at least "
         f"{needed} bytes ({format_bytes(needed)}) per device, each device has {limit} bytes "
-        f"({format_bytes(limit)}); {max(needed - limit, 0)} bytes over (meshes tried: "
+        f"({format_bytes(limit)}); {shortfall} (meshes tried: "
         f"{[c['mesh_shape'] for c in candidates]}). Fixes: 1) more devices, 2) a smaller batch, "
         "3) a larger memory_limit or devices with more memory, 4) an optimizer with less state (sgd)",
         needed_bytes=needed)
@@ -264,10 +257,6 @@ def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) 
             total += e.pair_cost(s_src, s_dst)
         costs.append(total)
     return costs
-
-
-def _joined(placement) -> str | None:
-    return None if placement is None else ",".join(placement)
 
 
 def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
@@ -291,24 +280,24 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
             fqn = captured.parameter_of[node.name]
             split = tuple(d for d, p in enumerate(chosen.outputs[0]) if p.startswith("S("))
             exchange = "reduce_scatter" if split else "allreduce"
-            parameters[fqn] = ParameterPlan(_joined(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
+            parameters[fqn] = ParameterPlan(placement_text(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
             memory["param"] += problem.node_memory[q][choice]
         elif kind == "buffer":
-            buffers[captured.buffer_of[node.name]] = _joined(chosen.outputs[0])
+            buffers[captured.buffer_of[node.name]] = placement_text(chosen.outputs[0])
         elif kind in ("op", "input"):
             local = _local_costs(problem, solution.choice, q, incident.get(node.name, []))
             others = sorted((t for t in range(len(local)) if t != choice and math.isfinite(local[t])),
                             key=lambda t: (problem.node_costs[q][t] + local[t], t))[:_ALTERNATIVES]
             nodes[node.name] = NodePlan(
                 op=str(node.target) if kind == "op" else "input",
-                outputs=tuple(_joined(p) for p in chosen.outputs),
-                inputs=tuple(_joined(p) for p in chosen.inputs),
+                outputs=tuple(placement_text(p) for p in chosen.outputs),
+                inputs=tuple(placement_text(p) for p in chosen.inputs),
                 compute_s=problem.node_costs[q][choice],
                 fallback=bool(index.fallback[q]),
                 reshard_s=local[choice],
                 alternatives=tuple({
-                    "outputs": [_joined(p) for p in index.strategies[q][t].outputs],
-                    "inputs": [_joined(p) for p in index.strategies[q][t].inputs],
+                    "outputs": [placement_text(p) for p in index.strategies[q][t].outputs],
+                    "inputs": [placement_text(p) for p in index.strategies[q][t].inputs],
                     "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
                     "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
                 } for t in others),
@@ -347,12 +336,7 @@ def _bytes_sent(captured: Captured, problem: ShardingProblem, index: ProblemInde
     """Bytes one device sends per step under ``choice``: every reshard and gradient collective
     on its edge, and the sparse row exchanges of lookups."""
     total = sum(e.count * e.pair_bytes(choice[e.src], choice[e.dst]) for e in problem.edges)
-    lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
-    for q, name in enumerate(index.names):
-        strategy = index.strategies[q][choice[q]]
-        if strategy.exchange and name in lookups:
-            total += problem.count(q) * sparse_exchange_s(lookups[name], strategy, unit_links(mesh))
-    return total
+    return total + lookup_exchange_s(captured, problem, index, choice, unit_links(mesh))
 
 
 def _sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: dict[str, ParameterPlan],
@@ -416,79 +400,3 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], mes
             "order": order, "device_load": balanced, "imbalance": imbalance(balanced),
             "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}
     return layers
-
-
-def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "adamw") -> tuple[float, int]:
-    """Predicted step time and per-device memory of ``plan``'s placements on another
-    ``cluster`` with as many devices (e.g. a plan made without knowing a slow WAN link, costed
-    on the real one). Every node keeps its planned strategy; raises BAD_PLAN if a placement is
-    not one the model offers on that mesh."""
-    mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
-    problem, _, choice = _planned_problem(captured, plan, cluster, mesh, optimizer)
-    return problem.evaluate(choice), problem.memory(choice)
-
-
-def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> float:
-    """Bytes one device sends per training step under ``plan``: every collective of the plan
-    (reshards, gradient reductions, sparse row exchanges) costed on a link of 1 byte/s
-    without latency, so its time is its volume."""
-    shape = _checked_shape(plan.mesh_shape, cluster)
-    unit = Link(bandwidth_Bps=1.0, latency_s=0.0)
-    mesh = MeshSpec(tuple(shape), ("dp",) if len(shape) == 1 else tuple(f"d{i}" for i in range(len(shape))),
-                    (unit,) * len(shape))
-    problem, index, choice = _planned_problem(captured, plan, cluster, mesh)
-    total = sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in problem.edges)
-    nodes = {n.name: n for n in captured.graph.nodes}
-    for q, name in enumerate(index.names):
-        strategy = index.strategies[q][choice[q]]
-        if strategy.exchange:
-            total += problem.count(q) * sparse_exchange_s(nodes[name].meta[LOOKUP_KEY], strategy, mesh)
-    return total
-
-
-def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, example_inputs) -> dict:
-    """``plan``'s step time as a sympy expression in the batch size (passes.symbolic), with
-    each op's FLOPs and bytes as formulas; goes into ``plan.symbolic``."""
-    b0 = annotate_symbolic(captured, model, example_inputs)
-    mesh = mesh_for_shape(cluster, _checked_shape(plan.mesh_shape, cluster))
-    problem, _, choice = _planned_problem(captured, plan, cluster, mesh, plan.options.get("optimizer", "adamw"),
-                                          symbolic=True)
-    step = sympy.nsimplify(0) + problem.evaluate(choice)
-    nodes = {n.name: formula(n) for n in captured.graph.nodes if n.name in plan.nodes and n.op == "call_function"}
-    batch_inputs = [spec.name for spec in plan.inputs if spec.shape and spec.shape[0] == b0]
-    return {"symbol": str(BATCH), "traced_batch": b0, "batch_inputs": batch_inputs, "step_s": str(step),
-            "nodes": nodes}
-
-
-def _planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: MeshSpec, optimizer: str = "adamw",
-                     symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex, list[int]]:
-    """The sharding problem of ``captured`` on ``mesh`` and the strategy ``plan`` chose for each node."""
-    if plan.stages or plan.replicas:
-        raise AutoparError(ErrorKind.BAD_PLAN, "re-costing plans over several device groups is not supported yet; "
-                           "re-plan instead")
-    annotate_costs(captured.graph)
-    annotate_saved(captured.graph)
-    enumerate_strategies(captured.graph, mesh.shape)
-    add_sparse_exchange(captured.graph)
-    problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                   symbolic=symbolic)
-    choice = []
-    for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
-        options = index.strategies[q]
-        if kind == "param":
-            wanted = plan.parameters[captured.parameter_of[name]].placement
-            match = [t for t, s in enumerate(options) if _joined(s.outputs[0]) == wanted]
-        elif kind == "buffer" or kind == "output":
-            match = [0]
-        else:
-            node = plan.nodes.get(name)
-            if node is None:
-                raise AutoparError(ErrorKind.BAD_PLAN, f"node {name} of this graph is not in the plan (the plan was "
-                                   "made for a different graph)")
-            match = [t for t, s in enumerate(options) if tuple(_joined(p) for p in s.outputs) == node.outputs
-                     and tuple(_joined(p) for p in s.inputs) == node.inputs and s.exchange == node.exchange]
-        if not match:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"node {name}: its planned placement is not available on mesh "
-                               f"{list(mesh.shape)} of {cluster.describe()}")
-        choice.append(match[0])
-    return problem, index, choice

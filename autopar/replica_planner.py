@@ -6,31 +6,39 @@ divided in proportion (largest remainders, at least one row per group), unless t
 pins ``batch_split``. One intra-operator plan, made for the group with the largest share on
 that share, is used by every group (placements of corresponding devices then match, so
 their gradient shards can be summed lane by lane) and re-costed on each group at its own
-share (``planner.recost``).
+share (``costing.recost``).
 
 Training stays identical to one device on the whole batch: group ``g``'s loss is weighted by
 ``b_g / B`` and the gradients are summed over groups, so with a batch-mean loss the summed
 gradient is the mean over all ``B`` rows.
 
     step = max_g t_g(b_g) + all-reduce of each device's gradient shard between groups
+
+Sparse tables (Parallax) may cross between groups as an all-gather of the rows each group
+touched instead of in that all-reduce, whichever the link makes cheaper: over a WAN link a
+table's dense gradient is the heaviest traffic of a step. ``plan.sparse[fqn]["between_groups"]``
+names the choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 
 import torch
 
 from autopar.cluster import Cluster
-from autopar.comm import all_reduce_s
+from autopar.comm import all_gather_s, all_reduce_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, StagePlan, TensorSpec
 from autopar.units import format_bytes
 from autopar.passes.capture import capture, leading_batch, normalize_inputs
+from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK, annotate_lookups
 from autopar.pipeline_planner import pipeline_ready
-from autopar.planner import make_plan, recost
+from autopar.costing import recost
+from autopar.planner import make_plan
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +61,7 @@ def proportional_split(batch: int, weights: list[float]) -> tuple[int, ...]:
 
 def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, optimizer: str = "adamw",
                   solver: str = "cpsat", time_limit_s: float = 60.0,
-                  batch_split: tuple[int, ...] | None = None) -> Plan:
+                  batch_split: tuple[int, ...] | None = None, sparsity: dict[str, float] | None = None) -> Plan:
     reason = pipeline_ready(cluster)
     if reason:
         raise AutoparError(ErrorKind.BAD_INPUT, f"cannot plan data-parallel replicas on {cluster.describe()}: {reason}")
@@ -67,6 +75,7 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
     def captured_at(rows: int):
         if rows not in captures:
             captures[rows] = capture(model, tuple(x[:rows] for x in inputs))
+            annotate_lookups(captures[rows], tuple(x[:rows] for x in inputs), sparsity)
         return captures[rows]
 
     if batch_split is None:
@@ -91,7 +100,7 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
                                "2) pipeline stages instead", needed_bytes=memory)
         times.append(step_s)
         replicas.append((group, rows, step_s, memory))
-    sync_s = _gradient_sync_s(cluster, groups, shared.memory.grads_bytes)
+    sync_s, between = _gradient_sync(cluster, groups, shared, [captured_at(rows) for rows in split])
     step = max(times) + sync_s
     lanes = len(groups[0].ranks)
     plan = dataclasses.replace(
@@ -106,16 +115,48 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
             memory=dataclasses.replace(shared.memory, activations_bytes=m - shared.memory.total_bytes
                                        + shared.memory.activations_bytes),
             batch=rows, fingerprint=captured_at(rows).fingerprint) for g, rows, t, m in replicas),
+        sparse={fqn: {**table, "between_groups": between[fqn]["method"],
+                      "between_groups_bytes": between[fqn]["bytes_per_step"]} if fqn in between else table
+                for fqn, table in shared.sparse.items()},
         options={**shared.options, "replicas": True}, baselines={})
     object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start})
     log.info("replica plan: split %s, predicted step %.3g s", split, step)
     return plan
 
 
-def _gradient_sync_s(cluster: Cluster, groups, grad_bytes: int) -> float:
-    """Each lane all-reduces its devices' gradient shards between groups; lanes crossing a
-    WAN link share it."""
+def _gradient_sync(cluster: Cluster, groups, plan: Plan, captures: list) -> tuple[float, dict[str, dict]]:
+    """Time to sum every device's gradient shards over its lane (the k-th device of every
+    group), and how each sparse table crosses: all-reduced with the dense gradients, or — where
+    it is cheaper (Parallax, across a slow WAN above all) — as an all-gather of the rows each
+    group touched. Lanes crossing a WAN link share it. ``captures``: each group's graph, whose
+    lookups give the rows that group touches per step."""
     slowest = min((cluster.link_between(a, b) for i, a in enumerate(groups) for b in groups[i + 1:]),
                   key=lambda link: link.bandwidth_Bps)
     sharing = len(groups[0].ranks) if len({g.name for g in groups}) > 1 else 1
-    return all_reduce_s(grad_bytes * sharing, len(groups), slowest)
+    n = len(groups)
+    touched = [{lk.parameter: lk for node in c.graph.nodes if (lk := node.meta.get(LOOKUP_KEY)) is not None}
+               for c in captures]
+    dense_bytes, sparse_s, between = plan.memory.grads_bytes, 0.0, {}
+    for fqn in sorted(plan.sparse):
+        if not all(fqn in t for t in touched):
+            continue
+        placement = plan.parameters[fqn].placement.split(",")
+        row_split = math.prod(size for size, p in zip(plan.mesh_shape, placement) if p == "S(0)")
+        col_split = math.prod(size for size, p in zip(plan.mesh_shape, placement) if p == "S(1)")
+        lookup = touched[0][fqn]
+        local_bytes = lookup.table_bytes // (row_split * col_split)
+        # the busiest group's touched rows, over this device's share of them; the collective pads to it
+        rows = max(math.ceil(t[fqn].touched_rows(1) / row_split) for t in touched)
+        piece = rows * (lookup.row_bytes // col_split + INDEX_BYTES)
+        volumes = {"allreduce": all_reduce_s(local_bytes, n, UNIT_LINK),
+                   SPARSE_ALLGATHER: all_gather_s(n * piece, n, UNIT_LINK)}
+        dense = all_reduce_s(dense_bytes * sharing, n, slowest) - all_reduce_s(
+            (dense_bytes - local_bytes) * sharing, n, slowest)
+        sparse = all_gather_s(n * piece * sharing, n, slowest)
+        method = SPARSE_ALLGATHER if sparse < dense else "allreduce"
+        if method == SPARSE_ALLGATHER:
+            dense_bytes -= local_bytes
+            sparse_s += sparse
+        between[fqn] = {"method": method, "bytes_per_step": volumes}
+    dense_s = all_reduce_s(dense_bytes * sharing, n, slowest) if dense_bytes > 0 else 0.0
+    return dense_s + sparse_s, between

@@ -226,13 +226,21 @@ def sparse_table(plan: Plan) -> Table:
     exchanging its gradient would move."""
     table = Table(title="sparse tables: access and bytes per step per device by exchange",
                   caption="* lookups before pooling: bags summed on the owner move less")
-    for column in ("table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded*"):
-        table.add_column(column, justify="right" if column not in ("table", "from", "chosen") else "left")
+    between = any("between_groups" in t for t in plan.sparse.values())  # replicas: how tables cross groups
+    columns = ["table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded*"]
+    if between:
+        columns += ["between groups", "allreduce ", "sparse rows "]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("table", "from", "chosen", "between groups") else "right")
     for fqn, t in sorted(plan.sparse.items()):
         volumes = t["bytes_per_step"]
-        table.add_row(fqn, f"{t['rows']:,}", f"{t['touched_rows']:,} ({100 * t['density']:.2g}%)",
-                      t["density_source"], t["exchange"],
-                      *(format_bytes(volumes[k]) for k in ("allreduce", "sparse_allgather", "row_sharded")))
+        row = [fqn, f"{t['rows']:,}", f"{t['touched_rows']:,} ({100 * t['density']:.2g}%)", t["density_source"],
+               t["exchange"], *(format_bytes(volumes[k]) for k in ("allreduce", "sparse_allgather", "row_sharded"))]
+        if between:
+            crossing = t.get("between_groups_bytes", {})
+            row += [t.get("between_groups", "-"),
+                    *(format_bytes(crossing[k]) if k in crossing else "-" for k in ("allreduce", "sparse_allgather"))]
+        table.add_row(*row)
     return table
 
 

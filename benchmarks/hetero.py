@@ -4,7 +4,7 @@ whichever is fastest) vs
 
   * the uniform-mesh plan a homogeneous planner picks: planned as if every link between
     hosts were the datacenter network and every device the slowest one, then costed on the
-    real cluster (``planner.recost``);
+    real cluster (``costing.recost``);
   * DDP / FSDP / Megatron-TP / TP×DP on one mesh over every device, costed on the real cluster.
 
 All figures are predicted step times from the same cost model. Floor (issue 6): ≥ 1.3×
@@ -28,7 +28,8 @@ sys.path[:0] = [os.path.join(HERE, "..", "examples")]
 import autopar  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
-from autopar.planner import make_plan, recost  # noqa: E402
+from autopar.costing import recost  # noqa: E402
+from autopar.planner import make_plan  # noqa: E402
 from gpt import build  # noqa: E402
 
 GBIT = 0.125  # GB/s per Gbit/s

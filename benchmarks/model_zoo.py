@@ -1,6 +1,6 @@
 """Model compatibility table: third-party models (tests/zoo.py, small random configs) —
 aten nodes, planning time on 8xH100 and 2x8xH100, ops that fell back to replicated, and
-equivalence of one training step at world size 2 (gloo) against the single-process model.
+equivalence of one training step at world sizes 2 and 4 (gloo) against the single-process model.
 
     pip install ".[zoo]" && python benchmarks/model_zoo.py
 
@@ -29,6 +29,37 @@ def _equivalent(errors: dict) -> bool:
             and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-5)
 
 
+# world sizes of the equivalence runs, each with its memory limit as a fraction of the
+# unconstrained plan's footprint (below it, so plans must shard; tests/test_zoo.py uses the same)
+WORLDS = ((2, 0.6), (4, 0.5))
+
+
+def _check_equivalence(rows: list[dict], planned: list[str], world: int, fraction: float) -> None:
+    """One training step of every planned model on ``world`` gloo ranks against one process;
+    records ``equivalent_<world>`` and ``errors_<world>`` (and ``failure_<world>``) in ``rows``."""
+    cases = [(f"zoo:{name}", {}, "", 0, {"cluster": f"{world}xH100",
+                                         "memory_fraction": zoo.MEMORY_FRACTION.get(name, fraction)}, "float32", 1)
+             for name in planned]
+    try:
+        results = run_world(world, run_cases, cases)
+    except AssertionError as exc:  # a failing model fails the whole world: try them one by one
+        print(f"world run failed ({str(exc)[:200]}); retrying one model at a time", flush=True)
+        results = []
+        for case in cases:
+            try:
+                results += run_world(world, run_cases, [case])
+            except AssertionError as failure:
+                results.append(None)
+                reason = [line for line in str(failure).splitlines() if "Error:" in line]
+                next(r for r in rows if r["model"] == case[0][4:])[f"failure_{world}"] = (reason or ["?"])[-1][:200]
+    for name, errors in zip(planned, results):
+        row = next(r for r in rows if r["model"] == name)
+        row[f"equivalent_{world}"] = bool(errors) and _equivalent(errors)
+        row[f"errors_{world}"] = {k: errors[k] for k in ("output", "loss", "grad")} if errors else None
+        print(json.dumps({"model": name, "world": world, "equivalent": row[f"equivalent_{world}"],
+                          "errors": row[f"errors_{world}"]}), flush=True)
+
+
 def main() -> None:
     rows = []
     for name in zoo.MODELS:
@@ -47,33 +78,18 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     planned = [r["model"] for r in rows if "error" not in r]
-    cases = [(f"zoo:{name}", {}, "", 0, {"cluster": "2xH100", "memory_fraction": zoo.MEMORY_FRACTION.get(name, 0.6)},
-              "float32", 1) for name in planned]
-    try:
-        results = run_world(2, run_cases, cases)
-    except AssertionError as exc:  # a failing model fails the whole world: try them one by one
-        print(f"world run failed ({str(exc)[:200]}); retrying one model at a time", flush=True)
-        results = []
-        for case in cases:
-            try:
-                results += run_world(2, run_cases, [case])
-            except AssertionError as failure:
-                results.append(None)
-                reason = [line for line in str(failure).splitlines() if "Error:" in line]
-                next(r for r in rows if r["model"] == case[0][4:])["failure"] = (reason or ["?"])[-1][:200]
-    for name, errors in zip(planned, results):
-        row = next(r for r in rows if r["model"] == name)
-        row["equivalent"] = bool(errors) and _equivalent(errors)
-        row["errors"] = {k: errors[k] for k in ("output", "loss", "grad")} if errors else None
-    print("\n| model | aten nodes | plan s (8xH100) | plan s (2x8xH100) | fallback ops | equivalent (2 ranks) |")
-    print("|---|---|---|---|---|---|")
+    for world, fraction in WORLDS:
+        _check_equivalence(rows, planned, world, fraction)
+    columns = " | ".join(f"equivalent ({world} ranks)" for world, _ in WORLDS)
+    print(f"\n| model | aten nodes | plan s (8xH100) | plan s (2x8xH100) | fallback ops | {columns} |")
+    print("|---|---|---|---|---|" + "---|" * len(WORLDS))
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | - | - | - | {r['error']} | ✗ |")
+            print(f"| {r['model']} | - | - | - | {r['error']} |" + " ✗ |" * len(WORLDS))
             continue
-        verdict = "✓" if r.get("equivalent") else "✗ " + r.get("failure", "")
+        verdicts = " | ".join("✓" if r.get(f"equivalent_{w}") else "✗ " + r.get(f"failure_{w}", "") for w, _ in WORLDS)
         print(f"| {r['model']} | {r['aten_nodes']} | {r['plan_s_8xH100']} | {r['plan_s_2x8xH100']} | "
-              f"{', '.join(r['fallback_ops']) or 'none'} | {verdict} |")
+              f"{', '.join(r['fallback_ops']) or 'none'} | {verdicts} |")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "model_zoo.json"), "w") as f:
         json.dump(rows, f, indent=1)

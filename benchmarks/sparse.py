@@ -45,7 +45,7 @@ from autopar.cluster import Cluster  # noqa: E402
 from autopar.comm import all_reduce_s, all_to_all_s  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.sparse import annotate_lookups  # noqa: E402
-from autopar.planner import communication_bytes  # noqa: E402
+from autopar.costing import communication_bytes  # noqa: E402
 from autopar.passes.experts import annotate_experts, balanced_order, device_loads, imbalance  # noqa: E402
 from dlrm import DLRM  # noqa: E402
 from models import MoEGPT  # noqa: E402

@@ -257,6 +257,12 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
         elif nplan.fallback:
+            for i in runtime.written_args(node.target):
+                if len(node.args[i].users) > 1:
+                    raise AutoparError(ErrorKind.UNSUPPORTED_OP,
+                                       f"node {node.name}: in-place {node.target} has no sharding rule and writes "
+                                       f"{node.args[i].name}, which other nodes also read; it cannot run on a "
+                                       "replicated copy. Rewrite that step of the model out of place")
             node.args = (node.target, mesh_node, *node.args)
             node.target = runtime.local_call
         produced[node.name] = nplan.outputs[0] if len(nplan.outputs) == 1 else None

@@ -237,6 +237,19 @@ def unit_links(mesh: MeshSpec) -> MeshSpec:
     return dataclasses.replace(mesh, links=(Link(bandwidth_Bps=1.0, latency_s=0.0),) * len(mesh.shape))
 
 
+def lookup_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
+                      mesh: MeshSpec) -> float:
+    """Time of the sparse row exchanges the chosen lookup strategies make, every copy of a
+    repeated node counted (on :func:`unit_links` meshes: the bytes one device sends)."""
+    lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
+    total = 0.0
+    for q, name in enumerate(index.names):
+        strategy = index.strategies[q][choice[q]]
+        if strategy.exchange and name in lookups:
+            total += problem.count(q) * sparse_exchange_s(lookups[name], strategy, mesh)
+    return total
+
+
 def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
     """Mesh dims the node's work is split on (a replicated input's gradient arrives partial
     there). A sparse-exchange lookup syncs its table's gradient itself: its table edge gets

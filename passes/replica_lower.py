@@ -3,7 +3,8 @@ its own mesh, on its rows of the global batch.
 
 Group ``g`` takes rows ``[offset_g, offset_g + b_g)`` of every input (and target), weights its
 loss by ``b_g / B``, and after backward each lane (the k-th device of every group) sums its
-gradient shards over the groups, so the gradients equal one device's on the whole batch.
+gradient shards over the groups, so the gradients equal one device's on the whole batch —
+in one flat all-reduce, except sparse tables the plan sends as their touched rows.
 Evaluation gathers every group's outputs in batch order.
 """
 
@@ -20,6 +21,8 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import capture
 from autopar.passes.lower import all_reduce_flat, group_meshes, lower_module
+from autopar.passes.runtime import sum_touched_rows
+from autopar.passes.sparse import SPARSE_ALLGATHER
 
 
 class ReplicaRuntime:
@@ -30,6 +33,8 @@ class ReplicaRuntime:
         self.module, self.lane, self.loss_fn = module, lane, loss_fn
         rows = [r.batch for r in plan.replicas]
         self.start, self.rows, self.total = sum(rows[:index]), rows[index], sum(rows)
+        # sparse tables whose touched rows cross between groups instead of the dense all-reduce
+        self.sparse = {fqn for fqn, table in plan.sparse.items() if table.get("between_groups") == SPARSE_ALLGATHER}
 
     def _mine(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.start:self.start + self.rows]
@@ -37,18 +42,20 @@ class ReplicaRuntime:
     def train_step(self, inputs: tuple, target) -> torch.Tensor:
         loss = self.loss_fn(self.module(*(self._mine(x) for x in inputs)), self._mine(target)) * (self.rows / self.total)
         loss.backward()
-        with torch.no_grad():  # sum over groups: one flat all-reduce per dtype
+        with torch.no_grad():  # sum over groups: one flat all-reduce per dtype, sparse tables by their rows
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for param in self.module.parameters():
-                if param.grad is not None:
+            for name, param in self.module.named_parameters():
+                if param.grad is None:
+                    continue
+                if name in self.sparse:
+                    param.grad = _local_map(param.grad, lambda g: sum_touched_rows(g, self.lane))
+                else:
                     by_dtype.setdefault(param.grad.dtype, []).append(param)
             for members in by_dtype.values():
                 grads = [p.grad for p in members]
-                summed = all_reduce_flat([g.to_local() if isinstance(g, DTensor) else g for g in grads], [self.lane])
+                summed = all_reduce_flat([_local(g) for g in grads], [self.lane])
                 for param, grad, part in zip(members, grads, summed):
-                    param.grad = DTensor.from_local(part, grad.device_mesh, grad.placements, run_check=False,
-                                                    shape=grad.shape, stride=grad.stride()) \
-                        if isinstance(grad, DTensor) else part
+                    param.grad = _like(grad, part)
             total = loss.detach().clone()
             dist.all_reduce(total, group=self.lane)
         return total
@@ -58,6 +65,21 @@ class ReplicaRuntime:
         parts = [None] * dist.get_world_size(self.lane)
         dist.all_gather_object(parts, out.detach(), group=self.lane)
         return torch.cat(parts, dim=0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """``local`` in ``t``'s place: the same DTensor layout, or the plain tensor."""
+    if not isinstance(t, DTensor):
+        return local
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _local_map(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    return _like(t, fn(_local(t)))
 
 
 def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, device_type: str

@@ -53,12 +53,26 @@ def to_full(x):
     return x.full_tensor() if isinstance(x, DTensor) else x
 
 
+def written_args(op) -> list[int]:
+    """Positions of the arguments an in-place op writes (from its schema; none for others)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return []
+    return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
 def local_call(op, mesh, *args, **kwargs):
-    """Run an op DTensor has no rule for on replicated local tensors; outputs are replicated."""
+    """Run an op DTensor has no rule for on replicated local tensors; outputs are replicated.
+    An in-place op (the ``as_strided_`` adaptive pooling decomposes into) writes a copy: a
+    DTensor's local view may not be modified in place. Lowering checks that nothing else
+    reads what it writes, so the copy changes no result."""
     def unwrap(a):
         return a.to_local() if isinstance(a, DTensor) else a
 
-    out = op(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    local = list(tree_map(unwrap, args))
+    for i in written_args(op):
+        local[i] = local[i].clone()
+    out = op(*local, **tree_map(unwrap, kwargs))
     return tree_map(lambda t: replicate_constant(t, mesh), out)
 
 
@@ -116,11 +130,20 @@ class _SparseLookup(torch.autograd.Function):
         rows, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         values = grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad)
         for group in ctx.groups:
-            rows, values = _all_gather_rows(rows, values, group)
+            rows, values = all_gather_rows(rows, values, group)
         return grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, rows, values), None, None
 
 
-def _all_gather_rows(rows: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_touched_rows(grad: torch.Tensor, group) -> torch.Tensor:
+    """A table's gradient summed over ``group`` by exchanging only its non-zero rows (Parallax's
+    sparse exchange, between replica groups). Every rank adds the same rows in the same order,
+    so the sums agree to the bit; a touched row whose gradient is exactly zero adds nothing."""
+    rows = (grad != 0).reshape(grad.shape[0], -1).any(dim=1).nonzero().reshape(-1)
+    rows, values = all_gather_rows(rows, grad[rows].reshape(rows.numel(), -1), group)
+    return torch.zeros_like(grad).index_add_(0, rows, values.reshape(-1, *grad.shape[1:]))
+
+
+def all_gather_rows(rows: torch.Tensor, values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's (row ids, rows), concatenated in rank order; pieces differ in size, so
     they are padded to the largest for the collective."""
     world = dist.get_world_size(group)

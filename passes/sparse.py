@@ -46,7 +46,7 @@ from autopar.passes.values import evaluate, real_values
 LOOKUP_KEY = "autopar.lookup"
 SPARSE_ALLGATHER = "sparse_allgather"
 INDEX_BYTES = 8  # int64 row ids travel with the rows
-_UNIT = Link(bandwidth_Bps=1.0, latency_s=0.0)  # a collective's time on this link is its volume in bytes
+UNIT_LINK = Link(bandwidth_Bps=1.0, latency_s=0.0)  # a collective's time on this link is its volume in bytes
 
 
 @dataclass(eq=False)
@@ -155,10 +155,10 @@ def exchange_bytes(lookup: Lookup, devices: int) -> dict[str, float]:
     these are its volumes (the closed forms of the module docstring). Row-wise sharding moves
     lookups instead of gradients: the indices are gathered, the lookup results reduced to
     their batch shard and their gradients gathered back."""
-    flat = MeshSpec((devices,), ("dp",), (_UNIT,))
+    flat = MeshSpec((devices,), ("dp",), (UNIT_LINK,))
     twin = Strategy((("S(0)",),), (("R",), ("S(0)",)), exchange=SPARSE_ALLGATHER)
     results = lookup.lookups * lookup.row_bytes
-    return {"allreduce": all_reduce_s(lookup.table_bytes, devices, _UNIT),
+    return {"allreduce": all_reduce_s(lookup.table_bytes, devices, UNIT_LINK),
             SPARSE_ALLGATHER: sparse_exchange_s(lookup, twin, flat),
-            "row_sharded": (all_gather_s(lookup.lookups * INDEX_BYTES, devices, _UNIT)
-                            + reduce_scatter_s(results, devices, _UNIT) + all_gather_s(results, devices, _UNIT))}
+            "row_sharded": (all_gather_s(lookup.lookups * INDEX_BYTES, devices, UNIT_LINK)
+                            + reduce_scatter_s(results, devices, UNIT_LINK) + all_gather_s(results, devices, UNIT_LINK))}

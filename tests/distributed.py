@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 
@@ -35,6 +36,13 @@ def _worker(rank: int, world: int, port: int, fn, args, result_path: str) -> Non
         raise
     finally:
         dist.destroy_process_group()
+    # destroy_process_group drops c10d's references only; device meshes still hold gloo groups whose
+    # worker threads may own finished work. Freeing those while the interpreter finalises aborts the
+    # process now and then ("terminate called without an active exception", SIGABRT; see
+    # pytorch/pytorch#179291). The run is over and its result written: leave without finalising.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world(world: int, fn, *args):

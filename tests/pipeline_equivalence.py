@@ -29,15 +29,15 @@ def _max_over_ranks(errors: dict) -> dict:
 
 
 def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: int = 3, layers: int = 4,
-                   batch: int = 8, schedule: str = "1F1B", options: dict | None = None) -> dict:
+                   batch: int = 8, schedule: str = "1F1B", options: dict | None = None, vocab: int = 64) -> dict:
     """Max abs errors of loss, grads (every step), params after ``steps`` SGD steps, and
     the evaluation output; plus the plan's shape. ``options`` (to parallelize) replace the
     pipeline ones, e.g. ``{"replicas": True, "batch_split": (6, 2)}``."""
     torch.manual_seed(0)
-    model = models.GPT(layers=layers)
+    model = models.GPT(vocab=vocab, layers=layers)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 64, (batch, 16), generator=g), torch.randint(0, 64, (batch, 16), generator=g))
+    batches = [(torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g))
                for _ in range(steps)]
     options = options or {"pipeline": True, "micro_batches": micro_batches, "schedule": schedule}
     pmodel = autopar.parallelize(model, (batches[0][0],), cluster=cluster_path, loss_fn=token_loss, **options)
@@ -74,4 +74,5 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     errors["stage_meshes"] = [list(st.mesh_shape) for st in plan.stages]
     errors["micro_batches"] = plan.micro_batches
     errors["batch_split"] = [r.batch for r in plan.replicas]
+    errors["between_groups"] = {fqn: t.get("between_groups") for fqn, t in plan.sparse.items()}
     return errors

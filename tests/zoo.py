@@ -1,5 +1,5 @@
-"""Third-party models (Hugging Face transformers, random init from small configs, no
-downloads) for the model-zoo tests and benchmarks/model_zoo.py.
+"""Third-party models (Hugging Face transformers and timm, random init from small configs,
+no downloads) for the model-zoo tests and benchmarks/model_zoo.py.
 
 Settings each family needs (recorded here, as the torch-2.13 notes ask):
   * causal LMs: ``use_cache=False`` — otherwise forward returns a DynamicCache, which
@@ -10,13 +10,48 @@ Settings each family needs (recorded here, as the torch-2.13 notes ask):
   * Mixtral: ``_experts_implementation="batched_mm"`` — the default grouped_mm is an opaque
     custom op that fails under fake tensors;
   * every model runs in eval mode (no dropout), so a parallel run can match a single one;
-  * outputs are reduced to one tensor (logits or the last hidden state) by a thin wrapper.
+  * outputs are reduced to one tensor (logits or the last hidden state) by a thin wrapper;
+  * timm (``pretrained=False``) always imports torchvision: see
+    :func:`declare_unloadable_torchvision_ops`, which importing this module runs.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import os
+
 import torch
 from torch import nn
+
+_TORCHVISION_OPS: torch.library.Library | None = None
+
+
+def declare_unloadable_torchvision_ops() -> None:
+    """Make torchvision importable where its compiled operators cannot load.
+
+    PyPI's torchvision wheel is a CUDA build; beside a CPU-only torch its ``_C`` library does
+    not load and ``import torchvision`` fails on registering fake kernels for
+    ``torchvision::nms`` ("operator … does not exist"). timm always imports torchvision, and
+    transformers does once it is installed. Declaring the two schemas first makes the import
+    succeed; model definitions call no torchvision kernel. Where the library loads (a matching
+    install), nothing is declared."""
+    global _TORCHVISION_OPS
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None or _TORCHVISION_OPS is not None:
+        return
+    try:
+        for library in glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so")):
+            torch.ops.load_library(library)
+        return
+    except OSError:
+        pass
+    _TORCHVISION_OPS = torch.library.Library("torchvision", "FRAGMENT")  # kept: dropping it undefines them
+    _TORCHVISION_OPS.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    _TORCHVISION_OPS.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+
+declare_unloadable_torchvision_ops()
 
 VOCAB, SEQ, BATCH = 256, 16, 4
 
@@ -38,12 +73,18 @@ def _tokens(batch: int = BATCH, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
 
 
+def _images(batch: int = BATCH, side: int = 32) -> torch.Tensor:
+    return torch.randn(batch, 3, side, side, generator=torch.Generator().manual_seed(1))
+
+
 def _small(**extra) -> dict:
     return dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 vocab_size=VOCAB, max_position_embeddings=64, **extra)
 
 
 def _build(name: str):
+    if name.startswith("timm_"):
+        return _build_timm(name)
     import transformers as T
 
     if name == "gpt2":
@@ -71,15 +112,40 @@ def _build(name: str):
     if name == "vit":
         cfg = T.ViTConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                           image_size=32, patch_size=8)
-        images = torch.randn(BATCH, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-        return Wrapped(T.ViTModel(cfg, add_pooling_layer=False), ("pixel_values",), "last_hidden_state"), (images,)
+        return Wrapped(T.ViTModel(cfg, add_pooling_layer=False), ("pixel_values",), "last_hidden_state"), (_images(),)
+    if name == "resnet":  # basic blocks with BatchNorm (eval: running statistics)
+        cfg = T.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")
+        return Wrapped(T.ResNetModel(cfg), ("pixel_values",), "pooler_output"), (_images(),)
+    if name == "convnext":  # depthwise 7×7 convolutions, channels-last LayerNorm, layer scale
+        cfg = T.ConvNextConfig(hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)
+        return Wrapped(T.ConvNextModel(cfg), ("pixel_values",), "pooler_output"), (_images(),)
     raise KeyError(name)
 
 
-MODELS = ("gpt2", "llama", "mistral", "mixtral", "bert", "t5", "vit")
+def _build_timm(name: str):
+    """timm's own definitions (``pretrained=False``): a ResNet with average-pool downsampling
+    (resnet10t), ConvNeXt (LayerNorm2d, depthwise 7×7) with one block per stage, a 2-block ViT."""
+    import timm
+
+    shapes = {"timm_resnet": ("resnet10t", {}),
+              "timm_convnext": ("convnext_atto", {"depths": (1, 1, 1, 1)}),
+              "timm_vit": ("vit_tiny_patch16_224", {"img_size": 32, "patch_size": 8, "depth": 2, "embed_dim": 64,
+                                                    "num_heads": 4})}
+    arch, options = shapes[name]
+    return timm.create_model(arch, pretrained=False, num_classes=10, **options), (_images(),)
+
+
+TRANSFORMERS_MODELS = ("gpt2", "llama", "mistral", "mixtral", "bert", "t5", "vit", "resnet", "convnext")
+TIMM_MODELS = ("timm_resnet", "timm_convnext", "timm_vit")
+MODELS = TRANSFORMERS_MODELS + TIMM_MODELS
+
+
+def library(name: str) -> str:
+    """The package a zoo entry comes from (tests skip on it when the extra is missing)."""
+    return "timm" if name in TIMM_MODELS else "transformers"
 # memory limit for the equivalence runs, as a fraction of the unconstrained plan's footprint:
-# low enough to force sharding, high enough to stay feasible (Mixtral's experts need more)
-MEMORY_FRACTION = {"mixtral": 0.9}
+# low enough to force sharding, high enough to stay feasible (Mixtral's experts and ResNet need more)
+MEMORY_FRACTION = {"mixtral": 0.9, "resnet": 0.7}
 
 
 def build(name: str):

@@ -105,7 +105,8 @@ def _choose(model: nn.Module, example_inputs, target: Cluster, captured, *, pipe
     makers = {
         "uniform_mesh": (None if pipeline or replicas else lambda: make_plan(captured, target, **options)),
         "pipeline": (None if pipeline is False or replicas else lambda: plan_pipeline(
-            model, example_inputs, target, micro_batches=micro_batches, schedule=schedule, **group_options)),
+            model, example_inputs, target, micro_batches=micro_batches, schedule=schedule, sparsity=sparsity,
+            **group_options)),
         "replicas": (None if replicas is False or pipeline else lambda: plan_replicas(
             model, example_inputs, target, batch_split=batch_split, sparsity=sparsity, **group_options)),
     }

@@ -33,6 +33,7 @@ from autopar.passes.capture import Captured, capture, leading_batch, normalize_i
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
+from autopar.passes.sparse import annotate_lookups
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 from autopar.planner import make_plan
@@ -56,8 +57,10 @@ def pipeline_ready(cluster: Cluster) -> str | None:
 
 def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, optimizer: str = "adamw",
                   solver: str = "cpsat", time_limit_s: float = 60.0, micro_batches: int | None = None,
-                  schedule: str = "1F1B") -> Plan:
-    """The best pipeline plan of ``model`` over ``cluster.groups()`` (in their order)."""
+                  schedule: str = "1F1B", sparsity: dict[str, float] | None = None) -> Plan:
+    """The best pipeline plan of ``model`` over ``cluster.groups()`` (in their order).
+    Sparse tables are planned inside their stage as on one mesh (``sparsity`` as for
+    :func:`autopar.plan`; touched rows per micro-batch, as each micro-batch exchanges them)."""
     if schedule not in SCHEDULES:
         raise AutoparError(ErrorKind.BAD_INPUT, f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     reason = pipeline_ready(cluster)
@@ -69,7 +72,9 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
     best, tried, smallest = None, [], None
     for m in _micro_batch_counts(inputs, len(groups), micro_batches):
         micro = tuple(x[: x.shape[0] // m] for x in inputs)
-        stages = _StageCosts(capture(model, micro), cluster, groups, m, schedule,
+        captured = capture(model, micro)
+        annotate_lookups(captured, micro, sparsity)  # stage graphs copy node meta, lookups included
+        stages = _StageCosts(captured, cluster, groups, m, schedule,
                              dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s))
         if len(stages.layers) < len(groups):
             raise AutoparError(ErrorKind.BAD_INPUT,
@@ -250,6 +255,7 @@ class _StageCosts:
                     "stage_solvers": [plan.solver for plan in stage_plans]},
             mesh_candidates=tuple(c for plan in stage_plans for c in plan.mesh_candidates),
             options={"optimizer": self.options["optimizer"], "pipeline": True},
+            sparse={k: v for plan in stage_plans for k, v in plan.sparse.items()},
             stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m))
 
 

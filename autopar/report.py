@@ -225,9 +225,9 @@ def sparse_table(plan: Plan) -> Table:
     """Parallax's view of each embedding table: how sparse its access is and what each way of
     exchanging its gradient would move."""
     table = Table(title="sparse tables: access and bytes per step per device by exchange",
-                  caption="* lookups before pooling: bags summed on the owner move less")
+                  caption="row-sharded: ids gathered, lookup results (bags pooled on the owner) reduced and back")
     between = any("between_groups" in t for t in plan.sparse.values())  # replicas: how tables cross groups
-    columns = ["table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded*"]
+    columns = ["table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded"]
     if between:
         columns += ["between groups", "allreduce ", "sparse rows "]
     for column in columns:

@@ -48,7 +48,7 @@ class ReplicaRuntime:
                 if param.grad is None:
                     continue
                 if name in self.sparse:
-                    param.grad = _local_map(param.grad, lambda g: sum_touched_rows(g, self.lane))
+                    param.grad = _like(param.grad, sum_touched_rows(_local(param.grad), self.lane))
                 else:
                     by_dtype.setdefault(param.grad.dtype, []).append(param)
             for members in by_dtype.values():
@@ -76,10 +76,6 @@ def _like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return local
     return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-
-
-def _local_map(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    return _like(t, fn(_local(t)))
 
 
 def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, device_type: str

@@ -59,7 +59,14 @@ class Lookup:
     lookups: int  # indices per step, whole batch
     density: float | None = None  # user's α: fraction of rows one device touches per step
     indices: torch.Tensor | None = None  # the lookup's real index values, when the inputs had them
+    pooled_bytes: int | None = None  # whole batch's lookup results after the bag's sum/mean, when pooled
     _touched: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of what row-wise owners send back per step: the pooled bags where a sum or mean
+        follows the lookup (a partial sum stays partial through them), else every looked-up row."""
+        return self.pooled_bytes if self.pooled_bytes is not None else self.lookups * self.row_bytes
 
     @property
     def table_bytes(self) -> int:
@@ -107,13 +114,34 @@ def annotate_lookups(captured: Captured, example_inputs=None, sparsity: dict[str
             continue  # padding_idx / scale_grad_by_freq lookups keep the dense path
         weight, ids = node.meta["val"], user.args[1].meta["val"]
         user.meta[LOOKUP_KEY] = Lookup(fqn, weight.shape[0], weight[0].numel() * weight.element_size(), ids.numel(),
-                                       sparsity.get(fqn), evaluate(user.args[1], values))
+                                       sparsity.get(fqn), evaluate(user.args[1], values), _pooled_bytes(user))
         found.add(fqn)
     unknown = sorted(set(sparsity) - found)
     if unknown:
         tables = sorted(found) or ["(none: the model has no table read only through one embedding lookup)"]
         raise AutoparError(ErrorKind.BAD_INPUT, f"sparsity names {', '.join(unknown)}, which is not a sparse table "
                            f"of this model; sparse tables: {', '.join(tables)}")
+
+
+_POOLS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
+
+
+def _pooled_bytes(lookup: torch.fx.Node) -> int | None:
+    """Bytes of the bag pooling right after a lookup (through per-sample weights' multiply),
+    when its only use is a sum or mean over dims other than the row's last."""
+    node = lookup
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is torch.ops.aten.mul.Tensor:
+            node = user
+            continue
+        dims = user.args[1] if len(user.args) > 1 else None
+        rank = node.meta["val"].dim()
+        if user.target in _POOLS and dims and all(d % rank != rank - 1 for d in dims):
+            out = user.meta["val"]
+            return out.numel() * out.element_size()
+        return None
+    return None
 
 
 def _split_dims(strategy: Strategy) -> list[tuple[int, int]]:
@@ -157,7 +185,7 @@ def exchange_bytes(lookup: Lookup, devices: int) -> dict[str, float]:
     their batch shard and their gradients gathered back."""
     flat = MeshSpec((devices,), ("dp",), (UNIT_LINK,))
     twin = Strategy((("S(0)",),), (("R",), ("S(0)",)), exchange=SPARSE_ALLGATHER)
-    results = lookup.lookups * lookup.row_bytes
+    results = lookup.result_bytes
     return {"allreduce": all_reduce_s(lookup.table_bytes, devices, UNIT_LINK),
             SPARSE_ALLGATHER: sparse_exchange_s(lookup, twin, flat),
             "row_sharded": (all_gather_s(lookup.lookups * INDEX_BYTES, devices, UNIT_LINK)

@@ -144,6 +144,11 @@ def test_dlrm_plan_picks_sparse_exchange_for_big_tables_and_beats_ddp():
     assert plan.comm_bytes == pytest.approx(recounted, rel=1e-9) and plan.comm_bytes > 0
     ddp = autopar.plan(model, inputs, cluster="4xcpu", configuration="ddp")
     assert ddp.comm_bytes > 10 * plan.comm_bytes  # the big tables' dense all-reduce
+    # row-wise: 512·4 ids gathered (8 B each), the 512 pooled bags (one 16-float row each)
+    # reduce-scattered and gathered back — (n−1)/n of each at n = 4; bags are pooled on the owner
+    ids, pooled = 512 * 4 * 8, 512 * 16 * 4
+    assert plan.sparse["embeddings.0.weight"]["bytes_per_step"]["row_sharded"] == pytest.approx(
+        3 / 4 * (ids + 2 * pooled))
 
 
 # The big-table cases run in float64: a hot row gathers ~340 gradient contributions, and the

@@ -32,6 +32,7 @@ from autopar.units import format_bytes
 from autopar.passes.capture import Captured, capture, leading_batch, normalize_inputs
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.layers import layer_signatures
+from autopar.passes.experts import annotate_experts
 from autopar.passes.memory import annotate_saved
 from autopar.passes.sparse import annotate_lookups
 from autopar.passes.strategies import MEMO_KEY
@@ -59,8 +60,8 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
                   solver: str = "cpsat", time_limit_s: float = 60.0, micro_batches: int | None = None,
                   schedule: str = "1F1B", sparsity: dict[str, float] | None = None) -> Plan:
     """The best pipeline plan of ``model`` over ``cluster.groups()`` (in their order).
-    Sparse tables are planned inside their stage as on one mesh (``sparsity`` as for
-    :func:`autopar.plan`; touched rows per micro-batch, as each micro-batch exchanges them)."""
+    Sparse tables and MoE experts are planned inside their stage as on one mesh (``sparsity``
+    as for :func:`autopar.plan`; touched rows and expert loads per micro-batch)."""
     if schedule not in SCHEDULES:
         raise AutoparError(ErrorKind.BAD_INPUT, f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     reason = pipeline_ready(cluster)
@@ -73,7 +74,8 @@ def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
     for m in _micro_batch_counts(inputs, len(groups), micro_batches):
         micro = tuple(x[: x.shape[0] // m] for x in inputs)
         captured = capture(model, micro)
-        annotate_lookups(captured, micro, sparsity)  # stage graphs copy node meta, lookups included
+        annotate_lookups(captured, micro, sparsity)  # stage graphs copy node meta, lookups and experts included
+        annotate_experts(captured, micro)
         stages = _StageCosts(captured, cluster, groups, m, schedule,
                              dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s))
         if len(stages.layers) < len(groups):
@@ -256,6 +258,7 @@ class _StageCosts:
             mesh_candidates=tuple(c for plan in stage_plans for c in plan.mesh_candidates),
             options={"optimizer": self.options["optimizer"], "pipeline": True},
             sparse={k: v for plan in stage_plans for k, v in plan.sparse.items()},
+            experts={k: v for plan in stage_plans for k, v in plan.experts.items()},
             stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m))
 
 

@@ -35,6 +35,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, StagePlan, TensorSpec
 from autopar.units import format_bytes
 from autopar.passes.capture import capture, leading_batch, normalize_inputs
+from autopar.passes.experts import annotate_experts
 from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK, annotate_lookups
 from autopar.pipeline_planner import pipeline_ready
 from autopar.costing import recost
@@ -76,6 +77,7 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
         if rows not in captures:
             captures[rows] = capture(model, tuple(x[:rows] for x in inputs))
             annotate_lookups(captures[rows], tuple(x[:rows] for x in inputs), sparsity)
+            annotate_experts(captures[rows], tuple(x[:rows] for x in inputs))
         return captures[rows]
 
     if batch_split is None:

@@ -104,10 +104,11 @@ class MoE(nn.Module):
 class MoEBlock(Block):
     """Pre-norm transformer block whose feed-forward is a mixture of experts."""
 
-    def __init__(self, d: int = 32, heads: int = 4, experts: int = 4, hidden: int = 64, groups: int = 4) -> None:
+    def __init__(self, d: int = 32, heads: int = 4, experts: int = 4, hidden: int = 64, groups: int = 4,
+                 capacity_factor: float = 1.5) -> None:
         super().__init__(d, heads)
         del self.fc, self.out
-        self.moe = MoE(d, hidden, experts, groups=groups)
+        self.moe = MoE(d, hidden, experts, groups=groups, capacity_factor=capacity_factor)
 
     def feed_forward(self, x):
         return self.moe(x)
@@ -117,10 +118,10 @@ class MoEGPT(nn.Module):
     """A small MoE transformer: token embedding, MoE blocks, head."""
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, experts: int = 4, hidden: int = 64,
-                 groups: int = 4) -> None:
+                 groups: int = 4, capacity_factor: float = 1.5) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups, capacity_factor) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
 

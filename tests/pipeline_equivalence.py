@@ -29,12 +29,14 @@ def _max_over_ranks(errors: dict) -> dict:
 
 
 def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: int = 3, layers: int = 4,
-                   batch: int = 8, schedule: str = "1F1B", options: dict | None = None, vocab: int = 64) -> dict:
+                   batch: int = 8, schedule: str = "1F1B", options: dict | None = None, vocab: int = 64,
+                   moe: dict | None = None) -> dict:
     """Max abs errors of loss, grads (every step), params after ``steps`` SGD steps, and
     the evaluation output; plus the plan's shape. ``options`` (to parallelize) replace the
-    pipeline ones, e.g. ``{"replicas": True, "batch_split": (6, 2)}``."""
+    pipeline ones, e.g. ``{"replicas": True, "batch_split": (6, 2)}``; ``moe`` (MoEGPT's
+    arguments) trains the MoE transformer instead of the GPT."""
     torch.manual_seed(0)
-    model = models.GPT(vocab=vocab, layers=layers)
+    model = models.MoEGPT(vocab=vocab, layers=layers, **moe) if moe is not None else models.GPT(vocab=vocab, layers=layers)
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g))
@@ -75,4 +77,5 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     errors["micro_batches"] = plan.micro_batches
     errors["batch_split"] = [r.batch for r in plan.replicas]
     errors["between_groups"] = {fqn: t.get("between_groups") for fqn, t in plan.sparse.items()}
+    errors["experts"] = {module: layer["exchange"] for module, layer in plan.experts.items()}
     return errors

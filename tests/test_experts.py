@@ -4,6 +4,7 @@ the single-process model in real gloo processes."""
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 
@@ -122,37 +123,30 @@ def test_transformers_mixtral_experts_and_router_load_are_found():
     assert set(plan.experts) == {g.module for g in groups}
 
 
-_H100_REGIONS = """# four ranks planned as H100s: two regions of two
-regions:
-  a: {device: H100-SXM, nodes: 1, per_node: 2}
-  b: {device: H100-SXM, nodes: 1, per_node: 2}
-links:
-  - {between: [a, b], bandwidth_GBps: 1, latency_ms: 1}
-"""
+H100_REGIONS = os.path.join(os.path.dirname(__file__), "clusters", "four_h100_regions.yaml")
 # capacity = tokens of a group (factor E/k): nothing is dropped, so micro-batches and replica
 # shares route every token as the whole batch does
 _NO_DROPS = {"experts": 4, "hidden": 512, "capacity_factor": 2.0}
 
 
 @pytest.mark.distributed
-def test_pipeline_stages_and_replicas_plan_experts_and_stages_train_like_one_process(tmp_path):
+def test_pipeline_stages_and_replicas_plan_experts_and_stages_train_like_one_process():
     """Stage and replica-group graphs keep the expert groups: their plans report each MoE
     layer with its router load (per micro-batch; per group's rows), under a memory limit the
     stages split their experts (expert parallel), and that pipeline trains like one process."""
     from pipeline_equivalence import check_pipeline
 
-    cluster = tmp_path / "h100_regions.yaml"
-    cluster.write_text(_H100_REGIONS)
+    cluster = H100_REGIONS
     torch.manual_seed(0)
     model = models.MoEGPT(layers=2, **_NO_DROPS)
     ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
-    roomy = autopar.plan(model, (ids,), cluster=str(cluster), pipeline=True, micro_batches=2)
-    replicas = autopar.plan(model, (ids,), cluster=str(cluster), replicas=True, batch_split=(4, 4))
+    roomy = autopar.plan(model, (ids,), cluster=cluster, pipeline=True, micro_batches=2)
+    replicas = autopar.plan(model, (ids,), cluster=cluster, replicas=True, batch_split=(4, 4))
     layers = {f"blocks.{i}.moe" for i in range(2)}
     assert set(roomy.experts) == layers and set(replicas.experts) == layers
     assert all(sum(layer["load"]) == 2 * 4 * 16 for layer in (*roomy.experts.values(), *replicas.experts.values()))
     limit = int(0.6 * max(stage.memory.total_bytes for stage in roomy.stages))
-    result = run_world(4, check_pipeline, str(cluster), 2, 3, 2, 8, "1F1B",
+    result = run_world(4, check_pipeline, cluster, 2, 3, 2, 8, "1F1B",
                        {"pipeline": True, "micro_batches": 2, "memory_limit": limit}, 64, _NO_DROPS)
     assert set(result["experts"].values()) == {"expert_parallel"}, result
     assert result["stage_meshes"] == [[2], [2]] and result["all_params_covered"], result

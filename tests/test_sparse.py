@@ -3,6 +3,7 @@ Parallax's closed-form volumes, and the DLRM equivalence in real gloo processes.
 
 from __future__ import annotations
 
+import os
 import math
 
 import pytest
@@ -234,33 +235,26 @@ def test_replicas_with_sparse_rows_between_groups_train_like_one_process(tmp_pat
         assert result["output"] < 2e-6, result
 
 
-_H100_REGIONS = """# four ranks planned as H100s: two regions of two
-regions:
-  a: {device: H100-SXM, nodes: 1, per_node: 2}
-  b: {device: H100-SXM, nodes: 1, per_node: 2}
-links:
-  - {between: [a, b], bandwidth_GBps: 1, latency_ms: 1}
-"""
+H100_REGIONS = os.path.join(os.path.dirname(__file__), "clusters", "four_h100_regions.yaml")
 
 
 @pytest.mark.distributed
-def test_pipeline_stages_plan_their_sparse_tables_and_train_like_one_process(tmp_path):
+def test_pipeline_stages_plan_their_sparse_tables_and_train_like_one_process():
     """Stage graphs keep the lookups' access figures: the first stage plans its token table as a
     sparse table (replicated lookups with room, split across the stage's devices under a 7 MB
     limit), and the pipeline still trains like one process."""
     from pipeline_equivalence import check_pipeline
 
-    cluster = tmp_path / "h100_regions.yaml"
-    cluster.write_text(_H100_REGIONS)
+    cluster = H100_REGIONS
     torch.manual_seed(0)
     model = models.GPT(vocab=16384, layers=2)
     ids = torch.randint(0, 16384, (8, 16), generator=torch.Generator().manual_seed(1))
-    roomy = autopar.plan(model, (ids,), cluster=str(cluster), pipeline=True, micro_batches=2)
-    tight = autopar.plan(model, (ids,), cluster=str(cluster), pipeline=True, micro_batches=2, memory_limit=7_000_000)
+    roomy = autopar.plan(model, (ids,), cluster=cluster, pipeline=True, micro_batches=2)
+    tight = autopar.plan(model, (ids,), cluster=cluster, pipeline=True, micro_batches=2, memory_limit=7_000_000)
     assert roomy.sparse["tok.weight"]["exchange"] == "none"
     assert tight.sparse["tok.weight"]["exchange"] in ("row_sharded", "column_sharded", "sparse_allgather")
     assert tight.sparse["tok.weight"]["touched_rows"] <= 64  # one micro-batch: 4 rows × 16 ids
-    result = run_world(4, check_pipeline, str(cluster), 2, 3, 2, 8, "1F1B",
+    result = run_world(4, check_pipeline, cluster, 2, 3, 2, 8, "1F1B",
                        {"pipeline": True, "micro_batches": 2, "memory_limit": 7_000_000}, 16384)
     assert result["stage_meshes"] == [[2], [2]] and result["all_params_covered"], result
     assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result

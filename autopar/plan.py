@@ -13,6 +13,7 @@ True
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -23,6 +24,11 @@ from autopar.errors import AutoparError, ErrorKind
 
 SCHEMA_VERSION = 1
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def split_over(placement: str, mesh_shape, dim: int) -> int:
+    """How many devices a placement string (``"S(0),R"``) splits tensor dim ``dim`` over."""
+    return math.prod(size for size, p in zip(mesh_shape, placement.split(",")) if p == f"S({dim})")
 
 
 def placement_text(placement) -> str | None:
@@ -193,10 +199,7 @@ class Plan:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise AutoparError(ErrorKind.BAD_INPUT, f"batch_size must be a positive integer, got {batch_size!r}")
         for name in self.symbolic["batch_inputs"]:
-            placement = self.nodes[name].outputs[0].split(",") if name in self.nodes else []
-            shards = 1
-            for size, p in zip(self.mesh_shape, placement):
-                shards *= size if p == "S(0)" else 1
+            shards = split_over(self.nodes[name].outputs[0], self.mesh_shape, 0) if name in self.nodes else 1
             if batch_size % shards:
                 raise AutoparError(ErrorKind.BAD_INPUT,
                                    f"batch {batch_size} does not split over the {shards} devices that share input "

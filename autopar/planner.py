@@ -17,7 +17,7 @@ import time
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
-from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_of_path, placement_text
+from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_of_path, placement_text, split_over
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
@@ -386,8 +386,8 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], mes
             else:
                 continue
             parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
-        placement = parameters[group.parameters[0]].placement.split(",")
-        expert_devices = math.prod(size for size, p in zip(mesh.shape, placement) if p == "S(0)")
+        placement = parameters[group.parameters[0]].placement
+        expert_devices = split_over(placement, mesh.shape, 0)
         load = group.load or (1,) * group.experts
         divisible = group.experts % expert_devices == 0
         order = balanced_order(load, expert_devices) if divisible else list(range(group.experts))
@@ -395,7 +395,7 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], mes
         balanced = device_loads(load, order, expert_devices)
         layers[group.module] = {
             "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
-            "placement": ",".join(placement), "exchange": parameters[group.parameters[0]].exchange,
+            "placement": placement, "exchange": parameters[group.parameters[0]].exchange,
             "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
             "order": order, "device_load": balanced, "imbalance": imbalance(balanced),
             "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}

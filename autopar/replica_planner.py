@@ -32,7 +32,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.comm import all_gather_s, all_reduce_s
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, StagePlan, TensorSpec
+from autopar.plan import Plan, StagePlan, TensorSpec, split_over
 from autopar.units import format_bytes
 from autopar.passes.capture import capture, leading_batch, normalize_inputs
 from autopar.passes.experts import annotate_experts
@@ -142,9 +142,8 @@ def _gradient_sync(cluster: Cluster, groups, plan: Plan, captures: list) -> tupl
     for fqn in sorted(plan.sparse):
         if not all(fqn in t for t in touched):
             continue
-        placement = plan.parameters[fqn].placement.split(",")
-        row_split = math.prod(size for size, p in zip(plan.mesh_shape, placement) if p == "S(0)")
-        col_split = math.prod(size for size, p in zip(plan.mesh_shape, placement) if p == "S(1)")
+        placement = plan.parameters[fqn].placement
+        row_split, col_split = split_over(placement, plan.mesh_shape, 0), split_over(placement, plan.mesh_shape, 1)
         lookup = touched[0][fqn]
         local_bytes = lookup.table_bytes // (row_split * col_split)
         # the busiest group's touched rows, over this device's share of them; the collective pads to it

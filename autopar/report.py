@@ -229,7 +229,7 @@ def sparse_table(plan: Plan) -> Table:
     between = any("between_groups" in t for t in plan.sparse.values())  # replicas: how tables cross groups
     columns = ["table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded"]
     if between:
-        columns += ["between groups", "allreduce ", "sparse rows "]
+        columns += ["between groups", "between: allreduce", "between: rows"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("table", "from", "chosen", "between groups") else "right")
     for fqn, t in sorted(plan.sparse.items()):

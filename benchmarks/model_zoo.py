@@ -29,17 +29,13 @@ def _equivalent(errors: dict) -> bool:
             and errors["loss"] <= 1e-5 and errors["grad"] <= 1e-5)
 
 
-# world sizes of the equivalence runs, each with its memory limit as a fraction of the
-# unconstrained plan's footprint (below it, so plans must shard; tests/test_zoo.py uses the same)
-WORLDS = ((2, 0.6), (4, 0.5))
+WORLDS = (2, 4)  # world sizes of the equivalence runs (memory limits: zoo.equivalence_case)
 
 
-def _check_equivalence(rows: list[dict], planned: list[str], world: int, fraction: float) -> None:
+def _check_equivalence(rows: list[dict], planned: list[str], world: int) -> None:
     """One training step of every planned model on ``world`` gloo ranks against one process;
     records ``equivalent_<world>`` and ``errors_<world>`` (and ``failure_<world>``) in ``rows``."""
-    cases = [(f"zoo:{name}", {}, "", 0, {"cluster": f"{world}xH100",
-                                         "memory_fraction": zoo.MEMORY_FRACTION.get(name, fraction)}, "float32", 1)
-             for name in planned]
+    cases = [zoo.equivalence_case(name, world) for name in planned]
     try:
         results = run_world(world, run_cases, cases)
     except AssertionError as exc:  # a failing model fails the whole world: try them one by one
@@ -78,16 +74,16 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     planned = [r["model"] for r in rows if "error" not in r]
-    for world, fraction in WORLDS:
-        _check_equivalence(rows, planned, world, fraction)
-    columns = " | ".join(f"equivalent ({world} ranks)" for world, _ in WORLDS)
+    for world in WORLDS:
+        _check_equivalence(rows, planned, world)
+    columns = " | ".join(f"equivalent ({world} ranks)" for world in WORLDS)
     print(f"\n| model | aten nodes | plan s (8xH100) | plan s (2x8xH100) | fallback ops | {columns} |")
     print("|---|---|---|---|---|" + "---|" * len(WORLDS))
     for r in rows:
         if "error" in r:
             print(f"| {r['model']} | - | - | - | {r['error']} |" + " ✗ |" * len(WORLDS))
             continue
-        verdicts = " | ".join("✓" if r.get(f"equivalent_{w}") else "✗ " + r.get(f"failure_{w}", "") for w, _ in WORLDS)
+        verdicts = " | ".join("✓" if r.get(f"equivalent_{w}") else "✗ " + r.get(f"failure_{w}", "") for w in WORLDS)
         print(f"| {r['model']} | {r['aten_nodes']} | {r['plan_s_8xH100']} | {r['plan_s_2x8xH100']} | "
               f"{', '.join(r['fallback_ops']) or 'none'} | {verdicts} |")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)

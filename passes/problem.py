@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.cluster import Link
 from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
@@ -39,7 +38,7 @@ from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.memory import SAVED_KEY
-from autopar.passes.sparse import LOOKUP_KEY, sparse_exchange_s
+from autopar.passes.sparse import LOOKUP_KEY, UNIT_LINK, sparse_exchange_s
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, output_vals, tensor_args,
@@ -234,7 +233,7 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
 @functools.lru_cache(maxsize=64)
 def unit_links(mesh: MeshSpec) -> MeshSpec:
     """``mesh`` with every link at 1 byte/s and no latency: a collective's time is its volume."""
-    return dataclasses.replace(mesh, links=(Link(bandwidth_Bps=1.0, latency_s=0.0),) * len(mesh.shape))
+    return dataclasses.replace(mesh, links=(UNIT_LINK,) * len(mesh.shape))
 
 
 def lookup_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],

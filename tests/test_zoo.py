@@ -41,12 +41,9 @@ def _cases(package: str, world: int) -> list:
     """One training step per case: outputs, loss and gradients, then parameters after one
     AdamW step. (Several AdamW steps in float32 amplify round-off where gradients are ~0 —
     BERT drifted 0.27 in outputs after 2 steps though its first step matches to 5e-7.)"""
-    fraction = {2: 0.6, 4: 0.5}[world]  # below the unconstrained footprint: forces sharding
-    cases = [(f"zoo:{name}", {}, "", 0, {"cluster": f"{world}xH100",
-                                         "memory_fraction": zoo.MEMORY_FRACTION.get(name, fraction)}, "float32", 1)
-             for name in EQUIVALENCE[package, world]]
+    cases = [zoo.equivalence_case(name, world) for name in EQUIVALENCE[package, world]]
     if (package, world) == ("transformers", 2):  # float64 separates round-off from real differences
-        cases.append(("zoo:llama", {}, "", 0, {"cluster": "2xH100", "memory_fraction": 0.8}, "float64", 1))
+        cases.append(zoo.equivalence_case("llama", 2, "float64", fraction=0.8))
     return cases
 
 

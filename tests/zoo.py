@@ -146,6 +146,14 @@ def library(name: str) -> str:
 # memory limit for the equivalence runs, as a fraction of the unconstrained plan's footprint:
 # low enough to force sharding, high enough to stay feasible (Mixtral's experts and ResNet need more)
 MEMORY_FRACTION = {"mixtral": 0.9, "resnet": 0.7}
+FRACTION_BY_WORLD = {2: 0.6, 4: 0.5}
+
+
+def equivalence_case(name: str, world: int, dtype: str = "float32", fraction: float | None = None) -> tuple:
+    """The case (tests/equivalence.py ``run_cases``) of one training step of zoo model ``name``
+    on ``world`` ranks under a memory limit below its unconstrained footprint."""
+    fraction = fraction or MEMORY_FRACTION.get(name, FRACTION_BY_WORLD[world])
+    return (f"zoo:{name}", {}, "", 0, {"cluster": f"{world}xH100", "memory_fraction": fraction}, dtype, 1)
 
 
 def build(name: str):

@@ -304,7 +304,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 memory_bytes=problem.node_memory[q][choice], exchange=chosen.exchange)
             memory["act"] += problem.node_memory[q][choice]
     sparse = _sparse_tables(captured, nodes, parameters, mesh)
-    experts = _expert_layers(captured, parameters, mesh)
+    experts = _expert_layers(captured, parameters, nodes, mesh)
     sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
     compute_total = problem.compute(solution.choice)
     per_copy = memory["param"] // (2 + states)
@@ -371,12 +371,16 @@ def _sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: d
     return tables
 
 
-def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], mesh: MeshSpec) -> dict[str, dict]:
+def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],
+                   mesh: MeshSpec) -> dict[str, dict]:
     """Each MoE layer's expert placement and load per device; names the expert weights'
     ``exchange`` (in ``parameters``, in place)."""
     layers = {}
     groups = {id(g): g for n in captured.graph.nodes if (g := n.meta.get(EXPERTS_KEY)) is not None}
     for group in groups.values():
+        if group.form == "module_list":
+            layers[group.module] = _module_list_layer(group, nodes, mesh)
+            continue
         for fqn in group.parameters:
             split = parameters[fqn].placement.split(",")
             if "S(0)" in split:
@@ -386,17 +390,33 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], mes
             else:
                 continue
             parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
-        placement = parameters[group.parameters[0]].placement
-        expert_devices = split_over(placement, mesh.shape, 0)
-        load = group.load or (1,) * group.experts
-        divisible = group.experts % expert_devices == 0
-        order = balanced_order(load, expert_devices) if divisible else list(range(group.experts))
-        in_order = device_loads(load, list(range(group.experts)), expert_devices)
-        balanced = device_loads(load, order, expert_devices)
-        layers[group.module] = {
-            "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
-            "placement": placement, "exchange": parameters[group.parameters[0]].exchange,
-            "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
-            "order": order, "device_load": balanced, "imbalance": imbalance(balanced),
-            "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}
+        layers[group.module] = _layer_load(group, parameters[group.parameters[0]].placement,
+                                           parameters[group.parameters[0]].exchange, mesh)
     return layers
+
+
+def _module_list_layer(group, nodes: dict[str, NodePlan], mesh: MeshSpec) -> dict:
+    """A ModuleList's batched experts: placed as the stack of their weights is (each expert's
+    own parameters keep their placements and exchanges in ``parameters``)."""
+    placement = nodes[group.nodes[0]].outputs[0]
+    split = placement.split(",")
+    exchange = ("expert_parallel" if "S(0)" in split else "expert_tensor_parallel"
+                if any(p.startswith("S(") for p in split) else "replicated")
+    return _layer_load(group, placement, exchange, mesh)
+
+
+def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:
+    """The layer's plan entry: placement and tokens per device, in the model's expert order
+    and in the balanced one."""
+    expert_devices = split_over(placement, mesh.shape, 0)
+    load = group.load or (1,) * group.experts
+    divisible = group.experts % expert_devices == 0
+    order = balanced_order(load, expert_devices) if divisible else list(range(group.experts))
+    in_order = device_loads(load, list(range(group.experts)), expert_devices)
+    balanced = device_loads(load, order, expert_devices)
+    return {
+        "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
+        "form": group.form, "placement": placement, "exchange": exchange,
+        "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
+        "order": order, "device_load": balanced, "imbalance": imbalance(balanced),
+        "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}

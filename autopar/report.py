@@ -252,7 +252,8 @@ def experts_table(plan: Plan) -> Table:
     for module, layer in sorted(plan.experts.items()):
         order = layer["order"]
         shown = "as is" if order == sorted(order) else " ".join(map(str, order[:16])) + (" …" if len(order) > 16 else "")
-        table.add_row(module, str(layer["experts"]), str(layer["top_k"] or "?"), layer["placement"], layer["exchange"],
+        name = f"{module} (ModuleList, batched)" if layer.get("form") == "module_list" else module
+        table.add_row(name, str(layer["experts"]), str(layer["top_k"] or "?"), layer["placement"], layer["exchange"],
                       layer["load_source"], f"{layer['imbalance_in_order']:.2f}", f"{layer['imbalance']:.2f}", shown)
     return table
 

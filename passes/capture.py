@@ -27,6 +27,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import TensorSpec
 from autopar.passes.decompose import decompose
 from autopar.passes.embedding_bag import lower_fixed_bags
+from autopar.passes.stack_experts import stack_expert_lists
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
         raise _untraceable(model, exc) from exc
     _drop_metadata_asserts(program)
     program.graph.eliminate_dead_code()
+    stack_expert_lists(program)
     _check_static_shapes(model, program)
     if not any(n.op == "call_function" for n in program.graph.nodes):
         raise AutoparError(ErrorKind.BAD_INPUT,

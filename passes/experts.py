@@ -11,8 +11,9 @@ sharding ILP then already holds the three choices the MoE literature weighs: exp
 parallelism (the weights ``Shard(0)`` over experts, tokens moved to their experts by an
 all-to-all — DTensor's ``Shard(g) -> Shard(e)`` redistribute), expert-internal tensor
 parallelism (the weights sharded on their hidden dim) and replication (data parallel,
-gradients all-reduced). A ModuleList of separate expert modules has no expert dim to shard:
-its experts are planned like any other layers.
+gradients all-reduced). A ModuleList of identical experts behind a router is found after
+passes.stack_experts batched it (its weights then reach the batched matmuls through stack
+nodes of the E experts' parameters).
 
 The router (a ``topk`` over a last dim of the expert count inside the same module) evaluated
 on the example inputs gives the tokens each expert receives. Expert parallelism puts experts
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.passes.capture import Captured
+from autopar.passes.stack_experts import STACKED_KEY
 from autopar.passes.values import evaluate, real_values
 
 EXPERTS_KEY = "autopar.experts"
@@ -49,6 +51,11 @@ class ExpertGroup:
     experts: int
     top_k: int | None = None  # choices per token, when the router was found
     load: tuple[int, ...] | None = None  # tokens routed to each expert on the example inputs
+    # "stacked": the model's own (E, ...) weights; "module_list": one module per expert, batched
+    # by passes.stack_experts — ``parameters`` then names the stack nodes, each standing for
+    # the E experts' weights of one name (``<module>.<e>.<name>``)
+    form: str = "stacked"
+    nodes: tuple[str, ...] = ()  # the graph nodes of the stacked weights (placeholders, or stack nodes)
 
     @property
     def load_source(self) -> str:
@@ -62,6 +69,8 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
     for node in graph.nodes:
         fqn = captured.parameter_of.get(node.name)
         val = node.meta.get("val")
+        if STACKED_KEY in node.meta:  # a ModuleList's expert weights, stacked by passes.stack_experts
+            by_module.setdefault(_common_prefix(node.meta[STACKED_KEY]), []).append(node)
         if fqn is None or not isinstance(val, torch.Tensor) or val.dim() < 3 or val.shape[0] < 2:
             continue
         if _reaches_batched_matmul(node, val.shape[0]):
@@ -73,6 +82,8 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
         experts = weights[0].meta["val"].shape[0]
         weights = [w for w in weights if w.meta["val"].shape[0] == experts]
         router = _router(graph, module, experts)
+        if any(STACKED_KEY in w.meta for w in weights) and router is None:
+            continue  # identical modules batched, but no router chooses among them: not experts
         load = None
         if router is not None:
             if values is None:
@@ -82,12 +93,29 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
                 chosen = chosen[1]
             if isinstance(chosen, torch.Tensor):
                 load = tuple(int(c) for c in torch.bincount(chosen.reshape(-1).long(), minlength=experts))
-        group = ExpertGroup(module, tuple(captured.parameter_of[w.name] for w in weights), experts,
-                            int(router.args[1]) if router is not None else None, load)
+        group = ExpertGroup(module, tuple(_fqns(captured, w) for w in weights), experts,
+                            int(router.args[1]) if router is not None else None, load,
+                            "module_list" if STACKED_KEY in weights[0].meta else "stacked",
+                            tuple(w.name for w in weights))
         for w in weights:
             w.meta[EXPERTS_KEY] = group
         groups.append(group)
     return groups
+
+
+def _fqns(captured: Captured, weights: torch.fx.Node) -> str:
+    """The FQN of stacked weights: the parameter's, or for a ModuleList's batched experts the
+    pattern ``<module>.*.<name>`` of the E weights the stack node gathers."""
+    if STACKED_KEY not in weights.meta:
+        return captured.parameter_of[weights.name]
+    first = captured.parameter_of[weights.args[0][0].name]
+    prefix = weights.meta[STACKED_KEY][0]
+    return f"{_common_prefix(weights.meta[STACKED_KEY])}.*{first[len(prefix):]}"
+
+
+def _common_prefix(prefixes) -> str:
+    """``moe.experts`` of ``moe.experts.0`` … ``moe.experts.7``."""
+    return prefixes[0].rsplit(".", 1)[0] if "." in prefixes[0] else ""
 
 
 def _reaches_batched_matmul(node: torch.fx.Node, experts: int, depth: int = 8, gathered: bool = False) -> bool:

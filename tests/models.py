@@ -96,19 +96,49 @@ class MoE(nn.Module):
         gates = (weights.unsqueeze(-1) * F.one_hot(chosen, e).to(x.dtype)).sum(2)  # (G, S, E)
         combine = gates.unsqueeze(-1) * dispatch
         expert_in = torch.einsum("gsec,gsd->egcd", dispatch, tokens)  # (E, G, C, d)
-        hidden = F.gelu(torch.einsum("egcd,edh->egch", expert_in, self.w_in))
-        expert_out = torch.einsum("egch,ehd->egcd", hidden, self.w_out)
+        expert_out = self.apply_experts(expert_in)
         return torch.einsum("gsec,egcd->gsd", combine, expert_out).reshape(b, t, d)
+
+    def apply_experts(self, expert_in):  # (E, G, C, d)
+        hidden = F.gelu(torch.einsum("egcd,edh->egch", expert_in, self.w_in))
+        return torch.einsum("egch,ehd->egcd", hidden, self.w_out)
+
+
+class Expert(nn.Module):
+    """One feed-forward expert of :class:`ModuleListMoE`."""
+
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
+
+
+class ModuleListMoE(MoE):
+    """:class:`MoE`'s routing with one module per expert (DeepSpeed-MoE / fairseq style): each
+    expert takes its slice of the dispatched tokens, the outputs are stacked."""
+
+    def __init__(self, d: int = 32, hidden: int = 64, experts: int = 4, top_k: int = 2, groups: int = 4,
+                 capacity_factor: float = 1.5) -> None:
+        super().__init__(d, hidden, experts, top_k, groups, capacity_factor)
+        del self.w_in, self.w_out
+        self.expert = nn.ModuleList(Expert(d, hidden) for _ in range(experts))
+
+    def apply_experts(self, expert_in):  # (E, G, C, d); each expert takes its (G·C, d) tokens
+        tokens = expert_in.reshape(expert_in.shape[0], -1, expert_in.shape[-1])
+        return torch.stack([expert(tokens[e]) for e, expert in enumerate(self.expert)]).reshape(expert_in.shape)
 
 
 class MoEBlock(Block):
     """Pre-norm transformer block whose feed-forward is a mixture of experts."""
 
     def __init__(self, d: int = 32, heads: int = 4, experts: int = 4, hidden: int = 64, groups: int = 4,
-                 capacity_factor: float = 1.5) -> None:
+                 capacity_factor: float = 1.5, module_list: bool = False) -> None:
         super().__init__(d, heads)
         del self.fc, self.out
-        self.moe = MoE(d, hidden, experts, groups=groups, capacity_factor=capacity_factor)
+        self.moe = (ModuleListMoE if module_list else MoE)(d, hidden, experts, groups=groups,
+                                                           capacity_factor=capacity_factor)
 
     def feed_forward(self, x):
         return self.moe(x)
@@ -118,10 +148,11 @@ class MoEGPT(nn.Module):
     """A small MoE transformer: token embedding, MoE blocks, head."""
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, experts: int = 4, hidden: int = 64,
-                 groups: int = 4, capacity_factor: float = 1.5) -> None:
+                 groups: int = 4, capacity_factor: float = 1.5, module_list: bool = False) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups, capacity_factor) for _ in range(layers))
+        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups, capacity_factor, module_list)
+                                    for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
 

@@ -12,6 +12,7 @@ import autopar
 import models
 from autopar.passes.capture import capture
 from autopar.passes.experts import annotate_experts, balanced_order, device_loads, imbalance
+from autopar.passes.stack_experts import STACKED_KEY
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
 
@@ -33,6 +34,58 @@ def test_experts_and_router_load_are_found():
         model(tokens)
         chosen = model.blocks[0].moe.router(seen[0]).softmax(-1).topk(2, dim=-1).indices
     assert first.load == tuple(torch.bincount(chosen.reshape(-1), minlength=4).tolist())
+
+
+def test_module_list_experts_are_batched_into_the_grouped_form():
+    """A ModuleList of identical experts (one module per expert, outputs stacked) is rewritten
+    into stacked weights and batched matmuls: the graph computes what the model does, the
+    experts' parameters stay the model's own, and the router's load is found as for stacked
+    experts."""
+    torch.manual_seed(0)
+    model = models.MoEGPT(layers=2, experts=4, module_list=True)
+    tokens = torch.randint(0, 64, (8, 8))
+    captured = capture(model, (tokens,))
+    graph = captured.graph
+    stacks = [n for n in graph.nodes if STACKED_KEY in n.meta]
+    assert len(stacks) == 2 * 4  # two layers × (fc, out) × (weight, bias)
+    assert not any(n.target is torch.ops.aten.select.int and n.args[0].meta["val"].shape[0] == 4
+                   and n.args[0].meta["val"].dim() == 4 for n in graph.nodes)  # no per-expert slices left
+    assert stacks[0].meta[STACKED_KEY] == tuple(f"blocks.0.moe.expert.{e}" for e in range(4))
+    assert set(captured.parameter_of.values()) == {name for name, _ in model.named_parameters()}
+    with torch.no_grad():
+        torch.testing.assert_close(captured.program.module()(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+    groups = annotate_experts(captured, (tokens,))
+    assert [(g.module, g.form, g.experts, g.top_k) for g in groups] == [
+        (f"blocks.{i}.moe.expert", "module_list", 4, 2) for i in range(2)]
+    assert groups[0].parameters[0] == "blocks.0.moe.expert.*.fc.weight"
+    torch.manual_seed(0)
+    stacked = annotate_experts(capture(models.MoEGPT(layers=2, experts=4), (tokens,)), (tokens,))
+    assert groups[0].load == stacked[0].load  # same seed, same router: the same tokens per expert
+
+
+class _Towers(torch.nn.Module):
+    """Identical modules over slices with no router (not experts), and modules that differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.same = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.differ = torch.nn.ModuleList([torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8),
+                                                                                       torch.nn.ReLU())])
+
+    def forward(self, x):  # (3, B, 8)
+        a = torch.stack([m(x[i]) for i, m in enumerate(self.same)])
+        b = torch.stack([m(x[i]) for i, m in enumerate(self.differ)])
+        return a.sum(0) + b.sum(0)
+
+
+def test_only_identical_copies_are_batched_and_only_routed_ones_are_experts():
+    model, x = _Towers(), torch.randn(3, 5, 8)
+    captured = capture(model, (x,))
+    stacked = {n.meta[STACKED_KEY] for n in captured.graph.nodes if STACKED_KEY in n.meta}
+    assert stacked == {("same.0", "same.1", "same.2")}  # batched (the differing pair is left alone)
+    with torch.no_grad():
+        torch.testing.assert_close(captured.program.module()(x), model(x))
+    assert annotate_experts(captured, (x,)) == []  # no router chooses among them
 
 
 def test_without_values_the_load_is_uniform():
@@ -70,9 +123,24 @@ def test_plan_names_expert_parallelism_and_reports_the_load():
     assert autopar.Plan.from_json(plan.to_json()).experts == plan.experts
 
 
+def test_plan_reports_module_list_experts_with_their_load():
+    torch.manual_seed(0)
+    model = models.MoEGPT(d=32, hidden=256, experts=8, module_list=True)
+    tokens = (torch.randint(0, 64, (8, 8)),)
+    plan = autopar.plan(model, tokens, cluster="4xcpu", pipeline=False, replicas=False)
+    layer = plan.experts["blocks.0.moe.expert"]
+    assert layer["form"] == "module_list" and layer["experts"] == 8 and layer["top_k"] == 2
+    assert layer["parameters"][0] == "blocks.0.moe.expert.*.fc.weight"
+    assert layer["load_source"] == "inputs" and sum(layer["load"]) == 8 * 8 * 2
+    assert "blocks.0.moe.expert.7.out.bias" in plan.parameters  # the experts' own parameters are planned
+    assert autopar.Plan.from_json(plan.to_json()).experts == plan.experts
+
+
 MOE_WORLD2 = [
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8}, "tokens", 8, {"cluster": "2xH100", "memory_fraction": 0.6},
      "float64"),
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True}, "tokens", 8,
+     {"cluster": "2xH100", "memory_fraction": 0.6}, "float64"),  # batched ModuleList experts
     ("MoEGPT", {"d": 32, "hidden": 64, "experts": 4}, "tokens", 8, {"cluster": "2xH100"}),
 ]
 MOE_WORLD4 = [  # experts over one mesh dim and their hidden dim over the other; expert TP alone (8 experts
@@ -81,6 +149,8 @@ MOE_WORLD4 = [  # experts over one mesh dim and their hidden dim over the other;
      {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.4}, "float64"),
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 2}, "tokens", 8,
      {"cluster": "4xH100", "mesh_shape": (4,), "memory_fraction": 0.6}, "float64"),
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 4, "module_list": True}, "tokens", 8,
+     {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.5}, "float64"),
 ]
 
 

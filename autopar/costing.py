@@ -14,6 +14,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, checked_mesh
 from autopar.plan import Plan, placement_text
 from autopar.problem import ShardingProblem
+from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
@@ -68,8 +69,9 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     annotate_saved(captured.graph)
     enumerate_strategies(captured.graph, mesh.shape)
     add_sparse_exchange(captured.graph)
+    add_owned_stacks(captured.graph, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                   symbolic=symbolic)
+                                   symbolic=symbolic, owned_experts=True)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

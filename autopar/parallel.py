@@ -35,6 +35,16 @@ class ParallelModule(nn.Module):
         # (stages) or passes.replica_lower.ReplicaRuntime (data-parallel replicas); None: one mesh
         self.runtime = runtime
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer this rank holds, whole: sharded ones gathered, an expert
+        weight that lives on its owner sent from there — a checkpoint one rank can save with
+        ``torch.save``. Collective: every rank calls it (tied weights appear under each name)."""
+        from autopar.passes.runtime import full_value
+
+        state = {name: full_value(p).detach() for name, p in self.named_parameters(remove_duplicate=False)}
+        state.update({name: full_value(b) for name, b in self.named_buffers()})
+        return state
+
     @property
     def code(self) -> str:
         """The lowered graph's code on this rank (its stage's, under a pipeline plan)."""

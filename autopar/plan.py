@@ -85,12 +85,15 @@ class NodePlan:
 
 @dataclass(frozen=True)
 class ParameterPlan:
+    # one entry per mesh dim: "R", "S(k)" (tensor dim k split), or "O" for a ModuleList expert's
+    # weight that lives whole on one device of that dim, its owner (passes.stack_experts)
     placement: str
     bytes: int
     # how its gradient is synchronised: "allreduce", "reduce_scatter"; for sparse tables also
     # "sparse_allgather" (touched rows), "row_sharded" (lookups routed to row owners), "column_sharded";
-    # for stacked MoE expert weights "expert_parallel" (experts split over devices, tokens moved by
-    # all-to-all) or "expert_tensor_parallel" (each expert's hidden dim split)
+    # for MoE expert weights "expert_parallel" (experts split over devices, tokens moved by
+    # all-to-all; no gradient collective for "O" weights) or "expert_tensor_parallel" (each
+    # expert's hidden dim split)
     exchange: str
 
 

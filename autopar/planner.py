@@ -21,6 +21,7 @@ from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_o
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
+from autopar.passes.stack_experts import OWNED, add_owned_stacks
 from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
@@ -37,13 +38,16 @@ log = logging.getLogger(__name__)
 def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw", solver: str = "cpsat",
               time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
               cluster_layers: bool = True, activation_copies: int = 1, baselines: bool = True,
-              annotate: bool = True, configuration: str | None = None) -> Plan:
+              annotate: bool = True, configuration: str | None = None, owned_experts: bool = True) -> Plan:
     """The best intra-operator plan of ``captured`` over ``cluster``'s devices. A pipeline stage
     is planned the same way on its own group: ``activation_copies`` micro-batches in flight,
     and ``baselines=False`` skips costing the hand-written configurations; ``annotate=False``
     keeps the cost and saved-activation annotations its nodes already carry.
     ``configuration`` (a baseline's name: "ddp", "fsdp", "megatron_tp", "tp_dp") returns that
-    hand-written configuration's plan instead of the optimum (to measure it, e.g.)."""
+    hand-written configuration's plan instead of the optimum (to measure it, e.g.).
+    ``owned_experts``: let batched ModuleList experts live on their owners (expert parallel;
+    passes.stack_experts) — not for pipeline stages and replica groups yet, whose lowering
+    builds one mesh per group on that group's ranks only."""
     if configuration is not None and configuration not in {**BASELINES, **BASELINES_2D}:
         raise AutoparError(ErrorKind.BAD_INPUT, f"unknown configuration {configuration!r}; choose one of "
                            f"{', '.join({**BASELINES, **BASELINES_2D})}")
@@ -63,8 +67,10 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     for order, mesh in enumerate(meshes):
         enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
         add_sparse_exchange(captured.graph)
+        if owned_experts:
+            add_owned_stacks(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                       repeated, activation_copies)
+                                       repeated, activation_copies, owned_experts=owned_experts)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
     prepare_s = time.perf_counter() - start
     best = None
@@ -379,7 +385,7 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], nod
     groups = {id(g): g for n in captured.graph.nodes if (g := n.meta.get(EXPERTS_KEY)) is not None}
     for group in groups.values():
         if group.form == "module_list":
-            layers[group.module] = _module_list_layer(group, nodes, mesh)
+            layers[group.module] = _module_list_layer(captured, group, parameters, nodes, mesh)
             continue
         for fqn in group.parameters:
             split = parameters[fqn].placement.split(",")
@@ -395,13 +401,21 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], nod
     return layers
 
 
-def _module_list_layer(group, nodes: dict[str, NodePlan], mesh: MeshSpec) -> dict:
-    """A ModuleList's batched experts: placed as the stack of their weights is (each expert's
-    own parameters keep their placements and exchanges in ``parameters``)."""
+def _module_list_layer(captured: Captured, group, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],
+                       mesh: MeshSpec) -> dict:
+    """A ModuleList's batched experts: placed as the stack of their weights is. Weights that
+    live on their owners ("O": expert parallel) get that ``exchange`` (in ``parameters``, in
+    place); the others keep theirs."""
     placement = nodes[group.nodes[0]].outputs[0]
     split = placement.split(",")
     exchange = ("expert_parallel" if "S(0)" in split else "expert_tensor_parallel"
                 if any(p.startswith("S(") for p in split) else "replicated")
+    stacks = [n for n in captured.graph.nodes if n.name in group.nodes]
+    for stack in stacks:
+        for weight in stack.args[0]:
+            fqn = captured.parameter_of[weight.name]
+            if OWNED in parameters[fqn].placement.split(","):
+                parameters[fqn] = dataclasses.replace(parameters[fqn], exchange="expert_parallel")
     return _layer_load(group, placement, exchange, mesh)
 
 

@@ -13,7 +13,7 @@ all-to-all — DTensor's ``Shard(g) -> Shard(e)`` redistribute), expert-internal
 parallelism (the weights sharded on their hidden dim) and replication (data parallel,
 gradients all-reduced). A ModuleList of identical experts behind a router is found after
 passes.stack_experts batched it (its weights then reach the batched matmuls through stack
-nodes of the E experts' parameters).
+nodes of the E experts' parameters, which that pass lets live on their owners: "O").
 
 The router (a ``topk`` over a last dim of the expert count inside the same module) evaluated
 on the example inputs gives the tokens each expert receives. Expert parallelism puts experts

@@ -32,6 +32,7 @@ from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
+from autopar.passes.stack_experts import OWNED, expert_members, owner
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -61,8 +62,9 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
 def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
                       captured: Captured, sync_on_accumulate: bool) -> None:
     source = dict(model.named_parameters())
+    placer = _Placer(mesh, captured, plan)
     if on_meta(model):  # materialise one module at a time, keeping only this rank's shards
-        source = _shards_from_meta(gm, plan, mesh, model, captured.aliases)
+        source = _shards_from_meta(gm, plan, mesh, model, captured.aliases, placer)
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
     alias_of = captured.aliases
@@ -85,9 +87,10 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         owner, attr = _owner(gm, fqn)
         original = getattr(owner, attr)
         full = source[fqn].detach() if fqn in source else original.detach()
-        placed_value = full if isinstance(full, DTensor) else distribute_tensor(
-            full, mesh, runtime.placements(pplan.placement))
+        placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.placement)
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
+        if OWNED in pplan.placement.split(","):
+            setattr(param, runtime.OWNER_RANK_ATTR, placer.owner_rank(fqn, pplan.placement))
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
         if sync_on_accumulate:
@@ -103,8 +106,48 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
             setattr(gm, name, runtime.replicate_constant(value, mesh))
 
 
+class _Placer:
+    """Distributes a full parameter as planned. An expert weight placed "O" on a mesh dim
+    (passes.stack_experts) goes to its owner's sub-mesh — the mesh without that dim, at the
+    owner's coordinate — and every rank builds every such sub-mesh, in the same order, the
+    first time one is needed (process-group creation is collective)."""
+
+    def __init__(self, mesh: DeviceMesh, captured: Captured, plan: Plan) -> None:
+        self.mesh = mesh
+        members = expert_members(captured.graph)
+        self.members = {captured.parameter_of[name]: where for name, where in members.items()}
+        self.submeshes: dict[int, list[DeviceMesh]] = {}
+
+    def __call__(self, fqn: str, full: torch.Tensor, placement: str) -> DTensor:
+        split = placement.split(",")
+        if OWNED not in split:
+            return distribute_tensor(full, self.mesh, runtime.placements(placement))
+        dim = split.index(OWNED)
+        rest = ",".join(p for d, p in enumerate(split) if d != dim) or "R"
+        return distribute_tensor(full, self._owner_mesh(fqn, dim), runtime.placements(rest))
+
+    def owner_rank(self, fqn: str, placement: str) -> int:
+        """The first rank of the sub-mesh that holds expert weight ``fqn``."""
+        return int(self._owner_mesh(fqn, placement.split(",").index(OWNED)).mesh.flatten()[0])
+
+    def _owner_mesh(self, fqn: str, dim: int) -> DeviceMesh:
+        if fqn not in self.members:
+            raise AutoparError(ErrorKind.BAD_PLAN, f"parameter {fqn} is placed {OWNED!r} (on its owner only), but it is "
+                               "not the weight of a batched expert in this model; re-plan this model")
+        expert, experts = self.members[fqn]
+        if dim not in self.submeshes:
+            names = self.mesh.mesh_dim_names
+            rest = tuple(n for d, n in enumerate(names) if d != dim) if names else None
+            self.submeshes[dim] = [
+                DeviceMesh(self.mesh.device_type, self.mesh.mesh.select(dim, k).reshape(-1)
+                           if self.mesh.ndim == 1 else self.mesh.mesh.select(dim, k),
+                           mesh_dim_names=rest if rest else None)
+                for k in range(self.mesh.size(dim))]
+        return self.submeshes[dim][owner(expert, experts, self.mesh.size(dim))]
+
+
 def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                      aliases: dict[str, tuple[str, ...]]) -> dict[str, DTensor]:
+                      aliases: dict[str, tuple[str, ...]], placer: _Placer) -> dict[str, DTensor]:
     """This rank's DTensor of every parameter and buffer ``gm`` holds, initialised by the
     model's own modules one at a time (passes.materialize)."""
     check_initialisable(model)
@@ -117,7 +160,7 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
             if fqn not in wanted:
                 continue
             pplan = plan.parameters.get(fqn)
-            value = distribute_tensor(full.detach(), mesh, runtime.placements(pplan.placement if pplan else replicated))
+            value = placer(fqn, full.detach(), pplan.placement if pplan else replicated)
             for name in aliases.get(fqn, (fqn,)):
                 placed[name] = value
     return placed
@@ -250,7 +293,10 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                     moved.meta["val"] = arg.meta.get("val")
                 produced[moved.name] = want
                 node.replace_input_with(arg, moved)
-        if nplan.exchange == "sparse_allgather":  # the lookup exchanges its table's gradient itself
+        if node.target is torch.ops.aten.stack.default and any(OWNED in p.split(",") for p in nplan.inputs):
+            node.args = (node.args[0], mesh_node, nplan.outputs[0])  # experts stacked where they live
+            node.target = runtime.stack_owned
+        elif nplan.exchange == "sparse_allgather":  # the lookup exchanges its table's gradient itself
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])
             node.target = runtime.sparse_embedding
         elif node.target is torch.ops.aten.embedding.default and "S(0)" in nplan.inputs[0]:
@@ -280,7 +326,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
-                  runtime.rowwise_embedding}
+                  runtime.rowwise_embedding, runtime.stack_owned}
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -39,6 +39,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.sparse import LOOKUP_KEY, UNIT_LINK, sparse_exchange_s
+from autopar.passes.stack_experts import OWNED, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, output_vals, tensor_args,
@@ -62,15 +63,18 @@ class ProblemIndex:
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
-                  symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
+                  symbolic: bool = False, owned_experts: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
     ``symbolic``: times as sympy expressions in the batch size, from the quantities
-    passes.symbolic attached (memory stays in numbers); for evaluating a plan, not solving."""
+    passes.symbolic attached (memory stays in numbers); for evaluating a plan, not solving.
+    ``owned_experts``: batched experts' weights may take the "O" placement (passes.stack_experts;
+    the stack nodes' twins come from :func:`add_owned_stacks`)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
+    members = expert_members(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
@@ -83,6 +87,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
             options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((("R",) * len(mesh.shape),), ())]
+            if node.name in members and owned_experts:  # a batched expert's weight may live on its owner only
+                options += [Strategy((p,), ()) for p in owned_leaf_options(
+                    [s.outputs[0] for s in options], members[node.name][1], mesh.shape)]
             copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
             mem = [copies * tensor_bytes(val) // _shards(s.outputs[0], mesh.shape) for s in options]
             cost = [0.0] * len(options)
@@ -170,7 +177,8 @@ def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Str
 
 
 def _shards(placement: tuple[str, ...], mesh_shape: tuple[int, ...]) -> int:
-    return math.prod(size for p, size in zip(placement, mesh_shape) if p.startswith("S("))
+    """Devices a tensor's bytes are divided over ("O": each expert's weight on one of them)."""
+    return math.prod(size for p, size in zip(placement, mesh_shape) if p.startswith("S(") or p == OWNED)
 
 
 def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
@@ -272,7 +280,7 @@ def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
         return forward
-    grad = tuple(b if b.startswith("S(") else ("P" if split and split[d] and b == "R" else "R")
+    grad = tuple(b if b.startswith("S(") or b == OWNED else ("P" if split and split[d] and b == "R" else "R")
                  for d, b in enumerate(dst))
     want = tuple("R" if a.startswith("P") else a for a in src)
     bucketed = regather and all(g == w or (g == "P" and w == "R") for g, w in zip(grad, want))
@@ -304,6 +312,8 @@ def _sequential_s(src: tuple[str, ...], dst: tuple[str, ...], nbytes: int, mesh:
 def _transition_s(a: str, b: str, nbytes: float, n: int, link) -> float | None:
     if a == b:
         return 0.0
+    if OWNED in (a, b):
+        return None  # an owned expert weight only feeds its stack
     if a == "R" and b in ("R", "P") or a == "R" and b.startswith("S("):
         return 0.0  # local: slice, or keep the value on one rank and zeros elsewhere (R→P)
     if b.startswith("P"):

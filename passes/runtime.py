@@ -160,3 +160,34 @@ def all_gather_rows(rows: torch.Tensor, values: torch.Tensor, group) -> tuple[to
     dist.all_gather(all_values, padded_values, group=group)
     return (torch.cat([r[:int(n)] for r, n in zip(all_rows, sizes)]),
             torch.cat([v[:int(n)] for v, n in zip(all_values, sizes)]))
+
+
+OWNER_RANK_ATTR = "_autopar_owner_rank"  # on an expert weight that lives on its owner's sub-mesh
+
+
+def stack_owned(weights: list[DTensor], mesh, spec: str) -> DTensor:
+    """Expert weights that each live on their owner's sub-mesh (placement "O") -> their stack,
+    a DTensor on ``mesh`` placed ``spec`` (``Shard(0)`` over the owners): every device stacks
+    the experts it holds, in expert order; nothing is communicated, forward or backward (the
+    gradient of each expert's slice goes back to that expert's weight on its owner)."""
+    mine = [w.to_local() for w in weights if w.device_mesh.get_coordinate() is not None]
+    local = torch.stack(mine)
+    shape = torch.Size((len(weights), *weights[0].shape))
+    return DTensor.from_local(local, mesh, placements(spec), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def full_value(param: torch.Tensor, grad: bool = False) -> torch.Tensor | None:
+    """The whole parameter (or its gradient) on every rank: a DTensor gathered, an expert weight
+    that lives on its owner sent from there. Collective: every rank calls it, in the same order."""
+    value = param.grad if grad else param
+    if not isinstance(param, DTensor):
+        return value
+    if not hasattr(param, OWNER_RANK_ATTR):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    owner = getattr(param, OWNER_RANK_ATTR)
+    held = param.device_mesh.get_coordinate() is not None
+    full = value.full_tensor() if held and isinstance(value, DTensor) else None
+    box = [full.detach() if full is not None else None]
+    dist.broadcast_object_list(box, src=owner)
+    return box[0]

@@ -1,7 +1,7 @@
 """Batch a ModuleList of identical experts into the grouped (stacked) form.
 
 MoE layers written as ``torch.stack([expert(x[e]) for e, expert in enumerate(self.experts)])``
-(DeepSpeed-MoE, fairseq, Tutel and most hand-written capacity-based MoE) export as E copies
+(DeepSpeed-MoE's and fairseq's experts, many hand-written capacity-based MoE layers) export as E copies
 of the same chain of ops, each on one slice ``x[e]`` and its own expert's parameters. The
 planner cannot split work across such copies: each is a separate piece of graph. This pass
 finds them and rewrites them into one batched chain over the expert dim — the GShard form
@@ -17,7 +17,11 @@ node): names, state dicts and optimizers see the model as written.
 
 A group is rewritten only when every copy is the same op sequence with the same constant
 arguments, reads the shared tensor only through ``select(x, 0, e)`` and owns parameters of
-the same shapes that nothing else reads; otherwise the copies stay as they are (logged).
+the same shapes that nothing else reads; otherwise the copies stay as they are.
+
+Expert parallelism then needs each expert's weights on one device only, which no DTensor
+placement of a separate tensor expresses: the "O" placement below (planned by
+:func:`add_owned_stacks` and passes.problem, lowered by passes.lower onto sub-meshes).
 
 Writes ``node.meta["autopar.stacked_experts"] = (expert FQN prefixes…)`` on the stack nodes of
 parameters it creates.
@@ -31,6 +35,8 @@ import torch
 from torch._decomp import core_aten_decompositions
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar.passes.strategies import STRATEGIES_KEY, Strategy
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -51,7 +57,9 @@ def stack_expert_lists(program: torch.export.ExportedProgram) -> int:
     for node in list(graph.nodes):
         if _combines_on_dim0(node):
             copies = _copies(parameter_of, node)
-            if copies is not None:
+            if copies is None:
+                log.debug("%s: its pieces are not identical experts over slices; left as is", node.name)
+            else:
                 _batch(graph, node, copies, fake_mode, parameter_of)
                 done += 1
     if done:
@@ -226,3 +234,69 @@ def _prefix(copy: _Copy, parameter_of: dict[str, str]) -> str:
             break
         common.append(parts[0])
     return ".".join(common)
+
+
+# ---- expert parallelism for the batched experts: each expert's weights live on one device ----
+#
+# The experts' parameters stay separate tensors, so DTensor's Shard(0) cannot split them over
+# devices. The "O" placement (per mesh dim, like "R" or "S(k)") says: on this mesh dim each
+# expert's tensor lives whole on one device, its owner — expert e on coordinate e // (E / n),
+# the block Shard(0) of the stacked tensor would give that device — and nowhere else. The
+# stack node then turns "O" weights into a Shard(0) stacked tensor without communication (every
+# device stacks the experts it owns); gradients come back to the owners the same way, so the
+# experts' weights need no gradient collective at all. Lowering keeps each weight as a DTensor
+# on its owner's sub-mesh (passes.lower).
+
+OWNED = "O"
+
+
+def expert_members(graph: torch.fx.Graph) -> dict[str, tuple[int, int]]:
+    """Parameter placeholder name -> (expert index, experts) for the weights the stack nodes of
+    batched experts gather (each weight read only by its stack)."""
+    members = {}
+    for node in graph.nodes:
+        if STACKED_KEY in node.meta:
+            weights = node.args[0]
+            for e, w in enumerate(weights):
+                if len(w.users) == 1:
+                    members[w.name] = (e, len(weights))
+    return members
+
+
+def owned_leaf_options(placements: list[tuple[str, ...]], experts: int, mesh_shape: tuple[int, ...]
+                       ) -> list[tuple[str, ...]]:
+    """An expert weight's extra placements: "O" on one mesh dim whose size divides the
+    experts, any of its ordinary placements on the others."""
+    extra = []
+    for d, size in enumerate(mesh_shape):
+        if size > 1 and experts % size == 0:
+            extra += [p[:d] + (OWNED,) + p[d + 1:] for p in placements if p[d] == "R"]
+    return list(dict.fromkeys(extra))
+
+
+def add_owned_stacks(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
+    """Give every stack node of batched experts, for each strategy that keeps the weights and
+    the stack replicated on a mesh dim dividing the experts, a twin with the weights "O" and
+    the stacked tensor ``Shard(0)`` on that dim."""
+    for node in graph.nodes:
+        if STACKED_KEY not in node.meta or STRATEGIES_KEY not in node.meta:
+            continue
+        experts = len(node.args[0])
+        own = [s for s in node.meta[STRATEGIES_KEY] if OWNED not in "".join(s.inputs[0])]
+        twins = []
+        for s in own:
+            first = s.inputs[0]
+            if any(i != first for i in s.inputs) or s.outputs[0] is None:
+                continue
+            for d, size in enumerate(mesh_shape):
+                if size > 1 and experts % size == 0 and first[d] == "R" and s.outputs[0][d] == "R":
+                    owned = first[:d] + (OWNED,) + first[d + 1:]
+                    out = s.outputs[0][:d] + ("S(0)",) + s.outputs[0][d + 1:]
+                    twins.append(Strategy((out,), tuple(owned for _ in s.inputs)))
+        node.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
+
+
+def owner(expert: int, experts: int, devices: int) -> int:
+    """The coordinate (on the "O" mesh dim) of the device that holds ``expert``: the block
+    ``Shard(0)`` of the stacked experts gives it."""
+    return expert // (experts // devices)

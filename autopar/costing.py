@@ -71,7 +71,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     add_sparse_exchange(captured.graph)
     add_owned_stacks(captured.graph, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                   symbolic=symbolic, owned_experts=True)
+                                   symbolic=symbolic)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

@@ -164,7 +164,7 @@ class _StageCosts:
         and latency per micro-batch."""
         part = self._piece(i, j)
         group = self.groups[s]
-        plan = make_plan(part, group.cluster, baselines=False, owned_experts=False, activation_copies=self.in_flight(s), annotate=False,
+        plan = make_plan(part, group.cluster, baselines=False, activation_copies=self.in_flight(s), annotate=False,
                          **self.options)
         send_s = self._send_s([n.meta["val"] for n in part.graph.output_node().all_input_nodes], s) \
             if j < len(self.layers) else (0.0, 0.0)
@@ -215,7 +215,7 @@ class _StageCosts:
         worst = ("", 0)
         for k, layer in enumerate(self.layers):
             try:
-                make_plan(self._piece(k, k + 1), roomiest.cluster, baselines=False, owned_experts=False, annotate=False, **self.options)
+                make_plan(self._piece(k, k + 1), roomiest.cluster, baselines=False, annotate=False, **self.options)
             except AutoparError as exc:
                 if exc.kind is ErrorKind.INFEASIBLE_MEMORY and (exc.needed_bytes or 0) > worst[1]:
                     worst = (layer, exc.needed_bytes)

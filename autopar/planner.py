@@ -38,16 +38,13 @@ log = logging.getLogger(__name__)
 def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw", solver: str = "cpsat",
               time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
               cluster_layers: bool = True, activation_copies: int = 1, baselines: bool = True,
-              annotate: bool = True, configuration: str | None = None, owned_experts: bool = True) -> Plan:
+              annotate: bool = True, configuration: str | None = None) -> Plan:
     """The best intra-operator plan of ``captured`` over ``cluster``'s devices. A pipeline stage
     is planned the same way on its own group: ``activation_copies`` micro-batches in flight,
     and ``baselines=False`` skips costing the hand-written configurations; ``annotate=False``
     keeps the cost and saved-activation annotations its nodes already carry.
     ``configuration`` (a baseline's name: "ddp", "fsdp", "megatron_tp", "tp_dp") returns that
-    hand-written configuration's plan instead of the optimum (to measure it, e.g.).
-    ``owned_experts``: let batched ModuleList experts live on their owners (expert parallel;
-    passes.stack_experts) — not for pipeline stages and replica groups yet, whose lowering
-    builds one mesh per group on that group's ranks only."""
+    hand-written configuration's plan instead of the optimum (to measure it, e.g.)."""
     if configuration is not None and configuration not in {**BASELINES, **BASELINES_2D}:
         raise AutoparError(ErrorKind.BAD_INPUT, f"unknown configuration {configuration!r}; choose one of "
                            f"{', '.join({**BASELINES, **BASELINES_2D})}")
@@ -67,10 +64,9 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     for order, mesh in enumerate(meshes):
         enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
         add_sparse_exchange(captured.graph)
-        if owned_experts:
-            add_owned_stacks(captured.graph, mesh.shape)
+        add_owned_stacks(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                       repeated, activation_copies, owned_experts=owned_experts)
+                                       repeated, activation_copies)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
     prepare_s = time.perf_counter() - start
     best = None

@@ -82,7 +82,7 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
 
     if batch_split is None:
         share = max(1, batch // len(groups))
-        speeds = [1.0 / make_plan(captured_at(share), g.cluster, owned_experts=False, **options).predicted_step_s for g in groups]
+        speeds = [1.0 / make_plan(captured_at(share), g.cluster, **options).predicted_step_s for g in groups]
         split = proportional_split(batch, speeds)
     else:
         split = tuple(int(b) for b in batch_split)
@@ -90,7 +90,7 @@ def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, o
             raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={tuple(batch_split)} must give each of the "
                                f"{len(groups)} groups at least one row and sum to the batch size {batch}")
     main = max(range(len(groups)), key=lambda g: split[g])
-    shared = make_plan(captured_at(split[main]), groups[main].cluster, owned_experts=False, **options)
+    shared = make_plan(captured_at(split[main]), groups[main].cluster, **options)
     replicas, times = [], []
     for group, rows in zip(groups, split):
         step_s, memory = recost(captured_at(rows), shared, group.cluster, optimizer)

@@ -151,16 +151,18 @@ def _count(plan) -> dict[str, int]:
     return counts
 
 
-def moe_plan(cluster: str = "8xA100-80GB") -> dict:
-    """A Mixtral-shaped MoE stack (hidden 1024, 8 experts of 4096, top-2), 8 x 2048 tokens."""
+def moe_plan(cluster: str = "8xA100-80GB", module_list: bool = False) -> dict:
+    """A Mixtral-shaped MoE stack (hidden 1024, 8 experts of 4096, top-2), 8 x 2048 tokens;
+    ``module_list``: the same experts as one module each (batched at capture)."""
     with torch.device("meta"):
-        model = MoEGPT(vocab=32000, d=1024, layers=4, experts=8, hidden=4096, groups=8)
+        model = MoEGPT(vocab=32000, d=1024, layers=4, experts=8, hidden=4096, groups=8, module_list=module_list)
         tokens = (torch.zeros(8, 2048, dtype=torch.long),)
     start = time.perf_counter()
     plan = autopar.plan(model, tokens, cluster=cluster, pipeline=False, replicas=False)
-    layer = plan.experts["blocks.0.moe"]
+    layer = plan.experts["blocks.0.moe.expert" if module_list else "blocks.0.moe"]
     feasible = {k: v["predicted_step_s"] * 1e3 for k, v in plan.baselines.items() if v["feasible"]}
-    return {"case": "moe-mixtral-shaped", "cluster": cluster, "mesh": list(plan.mesh_shape),
+    return {"case": "moe-mixtral-shaped" + ("-module-list" if module_list else ""), "cluster": cluster,
+            "mesh": list(plan.mesh_shape),
             "plan_s": round(time.perf_counter() - start, 1), "plan_ms": plan.predicted_step_s * 1e3,
             "expert_placement": layer["placement"], "expert_exchange": layer["exchange"],
             "baselines_ms": feasible}
@@ -223,8 +225,8 @@ def main() -> None:
         print(f"| {r['case']} | {r['cluster']} | {r['mesh']} | {exchanges} | {ms('plan_ms')} | {ms('ddp_ms')} | "
               f"{ms('row_wise_ms')} | {ms('torchrec_greedy_ms')} | {mb('plan_bytes')} | {mb('ddp_bytes')} | "
               f"{mb('row_wise_bytes')} | {mb('torchrec_greedy_bytes')} | {ratio} |")
-    moe = moe_plan()
-    print("\n" + json.dumps(moe))
+    moe = [moe_plan(), moe_plan(module_list=True)]
+    print("\n" + "\n".join(json.dumps(m) for m in moe))
     balance = load_balance()
     print("\n| expert load profile | devices | hottest expert's share | max/mean in order | max/mean placed "
           "| lower bound |")

@@ -48,21 +48,25 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) ->
 
 
 def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                 captured: Captured, sync_on_accumulate: bool = True) -> None:
+                 captured: Captured, sync_on_accumulate: bool = True,
+                 owner_meshes: dict[int, list[DeviceMesh]] | None = None) -> None:
     """Rewrite ``gm`` (the whole model, or one pipeline stage) in place for ``mesh``.
     ``input_names``: the plan's node for each placeholder, in order. Without
     ``sync_on_accumulate`` the caller brings gradients to their placements itself
-    (:func:`sync_grads`, once after all micro-batches)."""
-    _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate)
+    (:func:`sync_grads`, once after all micro-batches). ``owner_meshes``: ``mesh``'s sub-meshes
+    for expert weights placed "O" (:func:`owner_submeshes`), when the caller built them —
+    needed where not every rank lowers this mesh (pipeline stages)."""
+    _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate, owner_meshes)
     setattr(gm, MESH_ATTR, mesh)
     _rewrite(gm, plan, input_names)
     gm.recompile()
 
 
 def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
-                      captured: Captured, sync_on_accumulate: bool) -> None:
+                      captured: Captured, sync_on_accumulate: bool,
+                      owner_meshes: dict[int, list[DeviceMesh]] | None = None) -> None:
     source = dict(model.named_parameters())
-    placer = _Placer(mesh, captured, plan)
+    placer = _Placer(mesh, captured, owner_meshes)
     if on_meta(model):  # materialise one module at a time, keeping only this rank's shards
         source = _shards_from_meta(gm, plan, mesh, model, captured.aliases, placer)
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
@@ -90,7 +94,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.placement)
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
         if OWNED in pplan.placement.split(","):
-            setattr(param, runtime.OWNER_RANK_ATTR, placer.owner_rank(fqn, pplan.placement))
+            setattr(param, runtime.OWNED_ATTR, placer.owned(fqn, pplan.placement))
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
         if sync_on_accumulate:
@@ -112,11 +116,12 @@ class _Placer:
     owner's coordinate — and every rank builds every such sub-mesh, in the same order, the
     first time one is needed (process-group creation is collective)."""
 
-    def __init__(self, mesh: DeviceMesh, captured: Captured, plan: Plan) -> None:
+    def __init__(self, mesh: DeviceMesh, captured: Captured,
+                 owner_meshes: dict[int, list[DeviceMesh]] | None = None) -> None:
         self.mesh = mesh
         members = expert_members(captured.graph)
         self.members = {captured.parameter_of[name]: where for name, where in members.items()}
-        self.submeshes: dict[int, list[DeviceMesh]] = {}
+        self.submeshes = dict(owner_meshes or {})
 
     def __call__(self, fqn: str, full: torch.Tensor, placement: str) -> DTensor:
         split = placement.split(",")
@@ -126,9 +131,11 @@ class _Placer:
         rest = ",".join(p for d, p in enumerate(split) if d != dim) or "R"
         return distribute_tensor(full, self._owner_mesh(fqn, dim), runtime.placements(rest))
 
-    def owner_rank(self, fqn: str, placement: str) -> int:
-        """The first rank of the sub-mesh that holds expert weight ``fqn``."""
-        return int(self._owner_mesh(fqn, placement.split(",").index(OWNED)).mesh.flatten()[0])
+    def owned(self, fqn: str, placement: str) -> tuple[DeviceMesh, int, int]:
+        """(mesh, mesh dim placed "O", owner's coordinate on it) of expert weight ``fqn``."""
+        dim = placement.split(",").index(OWNED)
+        expert, experts = self.members[fqn]
+        return self.mesh, dim, owner(expert, experts, self.mesh.size(dim))
 
     def _owner_mesh(self, fqn: str, dim: int) -> DeviceMesh:
         if fqn not in self.members:
@@ -136,14 +143,27 @@ class _Placer:
                                "not the weight of a batched expert in this model; re-plan this model")
         expert, experts = self.members[fqn]
         if dim not in self.submeshes:
-            names = self.mesh.mesh_dim_names
-            rest = tuple(n for d, n in enumerate(names) if d != dim) if names else None
-            self.submeshes[dim] = [
-                DeviceMesh(self.mesh.device_type, self.mesh.mesh.select(dim, k).reshape(-1)
-                           if self.mesh.ndim == 1 else self.mesh.mesh.select(dim, k),
-                           mesh_dim_names=rest if rest else None)
-                for k in range(self.mesh.size(dim))]
+            self.submeshes[dim] = _submeshes(self.mesh, dim)
         return self.submeshes[dim][owner(expert, experts, self.mesh.size(dim))]
+
+
+def _submeshes(mesh: DeviceMesh, dim: int) -> list[DeviceMesh]:
+    """``mesh`` without mesh dim ``dim``, at each coordinate of that dim (a 1-D mesh gives
+    one-device meshes). Collective: every rank of the world builds them, in the same order."""
+    names = mesh.mesh_dim_names
+    rest = tuple(n for d, n in enumerate(names) if d != dim) if names else None
+    return [DeviceMesh(mesh.device_type, mesh.mesh.select(dim, k).reshape(-1) if mesh.ndim == 1
+                       else mesh.mesh.select(dim, k), mesh_dim_names=rest or None)
+            for k in range(mesh.size(dim))]
+
+
+def owner_submeshes(plan: Plan, meshes: list[DeviceMesh]) -> list[dict[int, list[DeviceMesh]]]:
+    """For each group's mesh (pipeline stages), the sub-meshes of every mesh dim, when some
+    parameter of ``plan`` is placed "O"; empty otherwise. Every rank calls it, in the same
+    order, before lowering its own group (process-group creation is collective)."""
+    if not any(OWNED in p.placement.split(",") for p in plan.parameters.values()):
+        return [{} for _ in meshes]
+    return [{d: _submeshes(mesh, d) for d in range(mesh.ndim) if mesh.size(d) > 1} for mesh in meshes]
 
 
 def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,

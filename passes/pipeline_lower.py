@@ -28,7 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autopar.plan import Plan
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
-from autopar.passes.lower import group_meshes, lower_module, sync_grads
+from autopar.passes.lower import group_meshes, lower_module, owner_submeshes, sync_grads
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"
@@ -84,6 +84,7 @@ def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Ca
                    device_type: str) -> tuple[torch.fx.GraphModule, PipelineRuntime]:
     meshes, groups, s, k = group_meshes(plan.stages, device_type)
     lane_meshes = [DeviceMesh(device_type, torch.tensor(st.ranks)) for st in plan.stages]
+    owner_meshes = owner_submeshes(plan, meshes)
 
     gm = captured.program.module()
     layers = layer_order(gm.graph)
@@ -96,7 +97,8 @@ def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Ca
     examples = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in plan.inputs) if s == 0 \
         else tuple(_zeros(n) for n in placeholders)
     outputs = tuple(_zeros(n) for n in module.graph.output_node().all_input_nodes)
-    lower_module(module, names, plan, meshes[s], model, captured, sync_on_accumulate=False)
+    lower_module(module, names, plan, meshes[s], model, captured, sync_on_accumulate=False,
+                 owner_meshes=owner_meshes[s])
     width = len(plan.stages[s].ranks)
     _slice_boundaries(module, lane_meshes[s], s > 0, s < len(plan.stages) - 1, width)
     examples = tuple(_sliced(t, width) for t in examples) if s > 0 else examples

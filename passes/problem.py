@@ -63,14 +63,14 @@ class ProblemIndex:
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
-                  symbolic: bool = False, owned_experts: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
+                  symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
     ``symbolic``: times as sympy expressions in the batch size, from the quantities
     passes.symbolic attached (memory stays in numbers); for evaluating a plan, not solving.
-    ``owned_experts``: batched experts' weights may take the "O" placement (passes.stack_experts;
-    the stack nodes' twins come from :func:`add_owned_stacks`)."""
+    Batched experts' weights may also take the "O" placement (passes.stack_experts; the
+    stack nodes' twins come from :func:`add_owned_stacks`)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
@@ -87,7 +87,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
             options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((("R",) * len(mesh.shape),), ())]
-            if node.name in members and owned_experts:  # a batched expert's weight may live on its owner only
+            if node.name in members:  # a batched expert's weight may live on its owner only
                 options += [Strategy((p,), ()) for p in owned_leaf_options(
                     [s.outputs[0] for s in options], members[node.name][1], mesh.shape)]
             copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1

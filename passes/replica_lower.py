@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import capture
-from autopar.passes.lower import all_reduce_flat, group_meshes, lower_module
+from autopar.passes.lower import all_reduce_flat, group_meshes, lower_module, owner_submeshes
 from autopar.passes.runtime import sum_touched_rows
 from autopar.passes.sparse import SPARSE_ALLGATHER
 
@@ -45,8 +45,8 @@ class ReplicaRuntime:
         with torch.no_grad():  # sum over groups: one flat all-reduce per dtype, sparse tables by their rows
             by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
             for name, param in self.module.named_parameters():
-                if param.grad is None:
-                    continue
+                if param.grad is None:  # unused, or an expert weight held by another rank of the group
+                    continue  # (the k-th ranks of every group hold the same experts: one plan, one mesh shape)
                 if name in self.sparse:
                     param.grad = _like(param.grad, sum_touched_rows(_local(param.grad), self.lane))
                 else:
@@ -91,5 +91,7 @@ def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, devic
                            f"plan was made for a different graph (replica {replica.group}: fingerprint "
                            f"{replica.fingerprint}, this model captures as {captured.fingerprint}); re-plan this model")
     module = captured.program.module()
-    lower_module(module, [spec.name for spec in plan.inputs], plan, meshes[g], model, captured)
+    owner_meshes = owner_submeshes(plan, meshes)  # every rank, every group's, in order
+    lower_module(module, [spec.name for spec in plan.inputs], plan, meshes[g], model, captured,
+                 owner_meshes=owner_meshes[g])
     return module, ReplicaRuntime(module, plan, g, lanes[lane], loss_fn)

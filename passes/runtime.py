@@ -162,7 +162,9 @@ def all_gather_rows(rows: torch.Tensor, values: torch.Tensor, group) -> tuple[to
             torch.cat([v[:int(n)] for v, n in zip(all_values, sizes)]))
 
 
-OWNER_RANK_ATTR = "_autopar_owner_rank"  # on an expert weight that lives on its owner's sub-mesh
+# on an expert weight that lives on its owner's sub-mesh: (the mesh it is planned on, the mesh
+# dim placed "O", the owner's coordinate on that dim)
+OWNED_ATTR = "_autopar_owned"
 
 
 def stack_owned(weights: list[DTensor], mesh, spec: str) -> DTensor:
@@ -178,16 +180,19 @@ def stack_owned(weights: list[DTensor], mesh, spec: str) -> DTensor:
 
 
 def full_value(param: torch.Tensor, grad: bool = False) -> torch.Tensor | None:
-    """The whole parameter (or its gradient) on every rank: a DTensor gathered, an expert weight
-    that lives on its owner sent from there. Collective: every rank calls it, in the same order."""
+    """The whole parameter (or its gradient) on every rank of its mesh: a DTensor gathered, an
+    expert weight that lives on its owner sent from there. Collective: every rank of the mesh
+    calls it, in the same order."""
     value = param.grad if grad else param
     if not isinstance(param, DTensor):
         return value
-    if not hasattr(param, OWNER_RANK_ATTR):
+    if not hasattr(param, OWNED_ATTR):
         return value.full_tensor() if isinstance(value, DTensor) else value
-    owner = getattr(param, OWNER_RANK_ATTR)
+    mesh, dim, owner = getattr(param, OWNED_ATTR)
     held = param.device_mesh.get_coordinate() is not None
     full = value.full_tensor() if held and isinstance(value, DTensor) else None
+    coordinate = list(mesh.get_coordinate())
+    coordinate[dim] = owner  # the device of my row along ``dim`` that holds the weight
     box = [full.detach() if full is not None else None]
-    dist.broadcast_object_list(box, src=owner)
+    dist.broadcast_object_list(box, src=int(mesh.mesh[tuple(coordinate)]), group=mesh.get_group(dim))
     return box[0]

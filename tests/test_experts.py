@@ -216,8 +216,9 @@ _NO_DROPS = {"experts": 4, "hidden": 512, "capacity_factor": 2.0}
 def test_pipeline_stages_and_replicas_plan_experts_and_stages_train_like_one_process():
     """Stage and replica-group graphs keep the expert groups: their plans report each MoE
     layer with its router load (per micro-batch; per group's rows), under a memory limit the
-    stages split their experts (expert parallel), and that pipeline trains like one process."""
-    from pipeline_equivalence import check_pipeline
+    stages split their experts (expert parallel; stacked, and a ModuleList's experts on their
+    owners), and those pipelines train like one process."""
+    from pipeline_equivalence import check_pipelines
 
     cluster = H100_REGIONS
     torch.manual_seed(0)
@@ -228,10 +229,23 @@ def test_pipeline_stages_and_replicas_plan_experts_and_stages_train_like_one_pro
     layers = {f"blocks.{i}.moe" for i in range(2)}
     assert set(roomy.experts) == layers and set(replicas.experts) == layers
     assert all(sum(layer["load"]) == 2 * 4 * 16 for layer in (*roomy.experts.values(), *replicas.experts.values()))
-    limit = int(0.6 * max(stage.memory.total_bytes for stage in roomy.stages))
-    result = run_world(4, check_pipeline, cluster, 2, 3, 2, 8, "1F1B",
-                       {"pipeline": True, "micro_batches": 2, "memory_limit": limit}, 64, _NO_DROPS)
-    assert set(result["experts"].values()) == {"expert_parallel"}, result
-    assert result["stage_meshes"] == [[2], [2]] and result["all_params_covered"], result
-    assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
-    assert result["output"] < 2e-6, result
+    module_list = {**_NO_DROPS, "module_list": True}  # each expert a module: its weights live on their owner
+    torch.manual_seed(0)
+    separate = models.MoEGPT(layers=2, **module_list)
+    roomy_separate = autopar.plan(separate, (ids,), cluster=cluster, pipeline=True, micro_batches=2)
+    replicas_separate = autopar.plan(separate, (ids,), cluster=cluster, replicas=True, batch_split=(4, 4))
+
+    def squeezed(plan):  # 0.6 of the largest stage's memory: the experts must be split
+        return {"pipeline": True, "micro_batches": 2,
+                "memory_limit": int(0.6 * max(stage.memory.total_bytes for stage in plan.stages))}
+    replica_options = {"replicas": True, "batch_split": (4, 4),
+                       "memory_limit": int(0.6 * replicas_separate.memory.total_bytes)}
+    results = run_world(4, check_pipelines, [(cluster, 2, 3, 2, 8, "1F1B", squeezed(roomy), 64, _NO_DROPS),
+                                             (cluster, 2, 3, 2, 8, "1F1B", squeezed(roomy_separate), 64, module_list),
+                                             (cluster, None, 3, 2, 8, "1F1B", replica_options, 64, module_list)])
+    assert results[2]["batch_split"] == [4, 4], results[2]  # two replica groups of 2, experts split in each
+    for k, result in enumerate(results):
+        assert set(result["experts"].values()) == {"expert_parallel"}, result
+        assert result["stage_meshes"] == ([[2], [2]] if k < 2 else []) and result["all_params_covered"], result
+        assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
+        assert result["output"] < 2e-6, result

@@ -245,7 +245,10 @@ def sparse_table(plan: Plan) -> Table:
 
 
 def experts_table(plan: Plan) -> Table:
-    table = Table(title="mixture-of-experts layers: placement and tokens per device")
+    owned = any("O" in p.placement.split(",") for p in plan.parameters.values())
+    table = Table(title="mixture-of-experts layers: placement and tokens per device",
+                  caption="expert weights placed O: each expert's weights whole on one device, its owner"
+                  if owned else None)
     for column in ("layer", "experts", "top-k", "placement", "chosen", "load from", "max/mean in order",
                    "max/mean placed", "expert order"):
         table.add_column(column)

@@ -21,7 +21,7 @@ from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, layer_o
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
-from autopar.passes.stack_experts import OWNED, add_owned_stacks
+from autopar.passes.stack_experts import add_owned_stacks, owned_dim
 from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
@@ -384,14 +384,9 @@ def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], nod
             layers[group.module] = _module_list_layer(captured, group, parameters, nodes, mesh)
             continue
         for fqn in group.parameters:
-            split = parameters[fqn].placement.split(",")
-            if "S(0)" in split:
-                exchange = "expert_parallel"
-            elif any(p.startswith("S(") for p in split):
-                exchange = "expert_tensor_parallel"
-            else:
-                continue
-            parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
+            exchange = _expert_exchange(parameters[fqn].placement)
+            if exchange is not None:
+                parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
         layers[group.module] = _layer_load(group, parameters[group.parameters[0]].placement,
                                            parameters[group.parameters[0]].exchange, mesh)
     return layers
@@ -403,16 +398,24 @@ def _module_list_layer(captured: Captured, group, parameters: dict[str, Paramete
     live on their owners ("O": expert parallel) get that ``exchange`` (in ``parameters``, in
     place); the others keep theirs."""
     placement = nodes[group.nodes[0]].outputs[0]
-    split = placement.split(",")
-    exchange = ("expert_parallel" if "S(0)" in split else "expert_tensor_parallel"
-                if any(p.startswith("S(") for p in split) else "replicated")
     stacks = [n for n in captured.graph.nodes if n.name in group.nodes]
     for stack in stacks:
         for weight in stack.args[0]:
             fqn = captured.parameter_of[weight.name]
-            if OWNED in parameters[fqn].placement.split(","):
+            if owned_dim(parameters[fqn].placement) is not None:
                 parameters[fqn] = dataclasses.replace(parameters[fqn], exchange="expert_parallel")
-    return _layer_load(group, placement, exchange, mesh)
+    return _layer_load(group, placement, _expert_exchange(placement) or "replicated", mesh)
+
+
+def _expert_exchange(placement: str) -> str | None:
+    """How stacked expert weights placed ``placement`` are split: over the experts (dim 0),
+    inside each expert, or not at all (None)."""
+    split = placement.split(",")
+    if "S(0)" in split:
+        return "expert_parallel"
+    if any(p.startswith("S(") for p in split):
+        return "expert_tensor_parallel"
+    return None
 
 
 def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:

@@ -8,6 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from autopar.passes.stack_experts import owned_dim
 from autopar.plan import Plan, layer_of_path
 from autopar.units import format_bytes, format_seconds
 
@@ -245,7 +246,7 @@ def sparse_table(plan: Plan) -> Table:
 
 
 def experts_table(plan: Plan) -> Table:
-    owned = any("O" in p.placement.split(",") for p in plan.parameters.values())
+    owned = any(owned_dim(p.placement) is not None for p in plan.parameters.values())
     table = Table(title="mixture-of-experts layers: placement and tokens per device",
                   caption="expert weights placed O: each expert's weights whole on one device, its owner"
                   if owned else None)

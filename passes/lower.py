@@ -32,7 +32,7 @@ from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
-from autopar.passes.stack_experts import OWNED, expert_members, owner
+from autopar.passes.stack_experts import expert_members, owned_dim, owner
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -93,7 +93,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         full = source[fqn].detach() if fqn in source else original.detach()
         placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.placement)
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
-        if OWNED in pplan.placement.split(","):
+        if owned_dim(pplan.placement) is not None:
             setattr(param, runtime.OWNED_ATTR, placer.owned(fqn, pplan.placement))
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
@@ -124,27 +124,26 @@ class _Placer:
         self.submeshes = dict(owner_meshes or {})
 
     def __call__(self, fqn: str, full: torch.Tensor, placement: str) -> DTensor:
-        split = placement.split(",")
-        if OWNED not in split:
+        dim = owned_dim(placement)
+        if dim is None:
             return distribute_tensor(full, self.mesh, runtime.placements(placement))
-        dim = split.index(OWNED)
-        rest = ",".join(p for d, p in enumerate(split) if d != dim) or "R"
-        return distribute_tensor(full, self._owner_mesh(fqn, dim), runtime.placements(rest))
+        rest = ",".join(p for d, p in enumerate(placement.split(",")) if d != dim) or "R"
+        if dim not in self.submeshes:
+            self.submeshes[dim] = _submeshes(self.mesh, dim)
+        return distribute_tensor(full, self.submeshes[dim][self._owner(fqn, dim)], runtime.placements(rest))
 
     def owned(self, fqn: str, placement: str) -> tuple[DeviceMesh, int, int]:
         """(mesh, mesh dim placed "O", owner's coordinate on it) of expert weight ``fqn``."""
-        dim = placement.split(",").index(OWNED)
-        expert, experts = self.members[fqn]
-        return self.mesh, dim, owner(expert, experts, self.mesh.size(dim))
+        dim = owned_dim(placement)
+        return self.mesh, dim, self._owner(fqn, dim)
 
-    def _owner_mesh(self, fqn: str, dim: int) -> DeviceMesh:
+    def _owner(self, fqn: str, dim: int) -> int:
+        """The owner's coordinate on mesh dim ``dim``."""
         if fqn not in self.members:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"parameter {fqn} is placed {OWNED!r} (on its owner only), but it is "
+            raise AutoparError(ErrorKind.BAD_PLAN, f"parameter {fqn} is placed \"O\" (on its owner only), but it is "
                                "not the weight of a batched expert in this model; re-plan this model")
         expert, experts = self.members[fqn]
-        if dim not in self.submeshes:
-            self.submeshes[dim] = _submeshes(self.mesh, dim)
-        return self.submeshes[dim][owner(expert, experts, self.mesh.size(dim))]
+        return owner(expert, experts, self.mesh.size(dim))
 
 
 def _submeshes(mesh: DeviceMesh, dim: int) -> list[DeviceMesh]:
@@ -161,7 +160,7 @@ def owner_submeshes(plan: Plan, meshes: list[DeviceMesh]) -> list[dict[int, list
     """For each group's mesh (pipeline stages), the sub-meshes of every mesh dim, when some
     parameter of ``plan`` is placed "O"; empty otherwise. Every rank calls it, in the same
     order, before lowering its own group (process-group creation is collective)."""
-    if not any(OWNED in p.placement.split(",") for p in plan.parameters.values()):
+    if all(owned_dim(p.placement) is None for p in plan.parameters.values()):
         return [{} for _ in meshes]
     return [{d: _submeshes(mesh, d) for d in range(mesh.ndim) if mesh.size(d) > 1} for mesh in meshes]
 
@@ -313,7 +312,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                     moved.meta["val"] = arg.meta.get("val")
                 produced[moved.name] = want
                 node.replace_input_with(arg, moved)
-        if node.target is torch.ops.aten.stack.default and any(OWNED in p.split(",") for p in nplan.inputs):
+        if node.target is torch.ops.aten.stack.default and any(owned_dim(p) is not None for p in nplan.inputs):
             node.args = (node.args[0], mesh_node, nplan.outputs[0])  # experts stacked where they live
             node.target = runtime.stack_owned
         elif nplan.exchange == "sparse_allgather":  # the lookup exchanges its table's gradient itself

@@ -30,6 +30,7 @@ parameters it creates.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -92,10 +93,10 @@ def _copies(parameter_of: dict[str, str], stack: torch.fx.Node) -> list[_Copy] |
     if experts < 2 or len(set(outs)) != experts or not all(isinstance(o, torch.fx.Node) for o in outs):
         return None
     ancestry = [_ancestors(o) for o in outs]
+    shared_by = Counter(n for a in ancestry for n in a)  # a copy's own nodes are in its ancestry only
     copies = []
     for e, out in enumerate(outs):
-        others = set().union(*(a for k, a in enumerate(ancestry) if k != e))
-        own = ancestry[e] - others
+        own = {n for n in ancestry[e] if shared_by[n] == 1}
         nodes = [n for n in stack.graph.nodes if n in own]
         if any(u is not stack and u not in own for n in nodes for u in n.users):
             return None  # a copy's intermediate is read outside it
@@ -139,7 +140,7 @@ def _isomorphic(copies: list[_Copy]) -> bool:
             return False
         mapping.update(zip(first.nodes, copy.nodes))
         for a, b in zip(first.nodes, copy.nodes):
-            if a.target != b.target or a.kwargs != b.kwargs and not _same_args(a.kwargs, b.kwargs, mapping, e):
+            if a.target != b.target or not _same_args(a.kwargs, b.kwargs, mapping, e):
                 return False
             if not _same_args(a.args, b.args, mapping, e, select=a.target is aten.select.int):
                 return False
@@ -282,9 +283,9 @@ def add_owned_stacks(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None
         if STACKED_KEY not in node.meta or STRATEGIES_KEY not in node.meta:
             continue
         experts = len(node.args[0])
-        own = [s for s in node.meta[STRATEGIES_KEY] if OWNED not in "".join(s.inputs[0])]
+        strategies = node.meta[STRATEGIES_KEY]  # DTensor's, fresh from enumerate_strategies
         twins = []
-        for s in own:
+        for s in strategies:
             first = s.inputs[0]
             if any(i != first for i in s.inputs) or s.outputs[0] is None:
                 continue
@@ -293,7 +294,13 @@ def add_owned_stacks(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None
                     owned = first[:d] + (OWNED,) + first[d + 1:]
                     out = s.outputs[0][:d] + ("S(0)",) + s.outputs[0][d + 1:]
                     twins.append(Strategy((out,), tuple(owned for _ in s.inputs)))
-        node.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
+        node.meta[STRATEGIES_KEY] = strategies + list(dict.fromkeys(twins))
+
+
+def owned_dim(placement: str) -> int | None:
+    """The mesh dim a placement string (``"O,R"``) places "O", or None."""
+    split = placement.split(",")
+    return split.index(OWNED) if OWNED in split else None
 
 
 def owner(expert: int, experts: int, devices: int) -> int:

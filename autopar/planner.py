@@ -396,15 +396,24 @@ def _module_list_layer(captured: Captured, group, parameters: dict[str, Paramete
                        mesh: MeshSpec) -> dict:
     """A ModuleList's batched experts: placed as the stack of their weights is. Weights that
     live on their owners ("O": expert parallel) get that ``exchange`` (in ``parameters``, in
-    place); the others keep theirs."""
+    place); the others keep theirs. Experts on their owners whose router can be relabelled
+    (passes.expert_order) go to the devices of the balanced order."""
     placement = nodes[group.nodes[0]].outputs[0]
     stacks = [n for n in captured.graph.nodes if n.name in group.nodes]
+    owned = True
     for stack in stacks:
         for weight in stack.args[0]:
             fqn = captured.parameter_of[weight.name]
             if owned_dim(parameters[fqn].placement) is not None:
                 parameters[fqn] = dataclasses.replace(parameters[fqn], exchange="expert_parallel")
-    return _layer_load(group, placement, _expert_exchange(placement) or "replicated", mesh)
+            else:
+                owned = False
+    layer = _layer_load(group, placement, _expert_exchange(placement) or "replicated", mesh)
+    if owned and group.relabel is not None and layer["order"] != sorted(layer["order"]):
+        layer["order_applied"] = True
+        layer["relabel"] = {"node": group.relabel.node, "kind": group.relabel.kind,
+                            "stacks": list(group.relabel.stacks)}
+    return layer
 
 
 def _expert_exchange(placement: str) -> str | None:
@@ -420,7 +429,7 @@ def _expert_exchange(placement: str) -> str | None:
 
 def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:
     """The layer's plan entry: placement and tokens per device, in the model's expert order
-    and in the balanced one."""
+    and in the balanced one (advice: ``order_applied`` is False until the caller applies it)."""
     expert_devices = split_over(placement, mesh.shape, 0)
     load = group.load or (1,) * group.experts
     divisible = group.experts % expert_devices == 0
@@ -431,5 +440,5 @@ def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:
         "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
         "form": group.form, "placement": placement, "exchange": exchange,
         "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
-        "order": order, "device_load": balanced, "imbalance": imbalance(balanced),
+        "order": order, "order_applied": False, "device_load": balanced, "imbalance": imbalance(balanced),
         "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}

@@ -248,14 +248,17 @@ def sparse_table(plan: Plan) -> Table:
 def experts_table(plan: Plan) -> Table:
     owned = any(owned_dim(p.placement) is not None for p in plan.parameters.values())
     table = Table(title="mixture-of-experts layers: placement and tokens per device",
-                  caption="expert weights placed O: each expert's weights whole on one device, its owner"
+                  caption="expert weights placed O: each expert's weights whole on one device, its owner; "
+                  "expert order (placed): device d holds the d-th block of experts in that order"
                   if owned else None)
     for column in ("layer", "experts", "top-k", "placement", "chosen", "load from", "max/mean in order",
-                   "max/mean placed", "expert order"):
+                   "max/mean balanced", "expert order"):
         table.add_column(column)
     for module, layer in sorted(plan.experts.items()):
         order = layer["order"]
         shown = "as is" if order == sorted(order) else " ".join(map(str, order[:16])) + (" …" if len(order) > 16 else "")
+        if order != sorted(order):  # placed: the experts live in this order; advice: they keep the model's
+            shown += " (placed)" if layer.get("order_applied") else " (advice)"
         name = f"{module} (ModuleList, batched)" if layer.get("form") == "module_list" else module
         table.add_row(name, str(layer["experts"]), str(layer["top_k"] or "?"), layer["placement"], layer["exchange"],
                       layer["load_source"], f"{layer['imbalance_in_order']:.2f}", f"{layer['imbalance']:.2f}", shown)

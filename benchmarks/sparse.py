@@ -15,7 +15,9 @@ MoE: a Mixtral-shaped stack (8 experts, top-2) planned on "8xA100-80GB" — whic
 parallelism, expert-internal tensor parallelism or replication the ILP picks, and its step
 time against the baselines; and expert placement on skewed loads (max/mean tokens per device
 with experts in their own order vs placed by ``passes.experts.balanced_order``), the loads
-measured from a real router on Zipf-distributed tokens or drawn log-normal.
+measured from a real router on Zipf-distributed tokens or drawn log-normal; and the placement
+a plan applies (a 64-expert ModuleList MoE with a skewed router: the lowering puts each expert
+on the device of its slot in the balanced order).
 
 Baselines: "ddp" and "row_wise" are the planner's own baselines (same cost model, the rest of
 the graph optimised by the ILP); "torchrec_greedy" places every table whole on one device
@@ -168,13 +170,35 @@ def moe_plan(cluster: str = "8xA100-80GB", module_list: bool = False) -> dict:
             "baselines_ms": feasible}
 
 
+def moe_placed(cluster: str = "8xA100-80GB", skew: float = 1.0) -> list[dict]:
+    """The plan's own expert placement on a skewed router: a ModuleList MoE (64 experts, real
+    weights — the relabelling is checked on them) whose router bias falls over the experts,
+    Zipf-distributed tokens; per layer, max/mean tokens per device with the experts in the
+    model's order and as the plan places them (``order_applied``: lowering uses that order)."""
+    torch.manual_seed(0)
+    model = MoEGPT(vocab=4096, d=256, layers=2, experts=64, hidden=1024, groups=4, module_list=True, skew=skew)
+    start = time.perf_counter()
+    plan = autopar.plan(model, (_zipf_tokens(),), cluster=cluster, pipeline=False, replicas=False)
+    plan_s = round(time.perf_counter() - start, 1)
+    return [{"case": f"moe-module-list-64-experts-skew-{skew}", "cluster": cluster, "layer": module,
+             "mesh": list(plan.mesh_shape), "expert_devices": layer["expert_devices"],
+             "exchange": layer["exchange"], "hottest_expert_share": max(layer["load"]) / sum(layer["load"]),
+             "in_order": layer["imbalance_in_order"], "placed": layer["imbalance"],
+             "order_applied": layer["order_applied"], "plan_s": plan_s} for module, layer in plan.experts.items()]
+
+
+def _zipf_tokens(seed: int = 0) -> torch.Tensor:
+    """16 sequences of 256 tokens of a 4096-word vocabulary, Zipf(1.05)-distributed."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, 4097, dtype=torch.float64)
+    return torch.multinomial(ranks.pow(-1.05), 16 * 256, replacement=True, generator=g).reshape(16, 256)
+
+
 def router_load(experts: int = 64, seed: int = 0) -> tuple[int, ...]:
     """Tokens per expert from a real (randomly initialised) router on Zipf-distributed tokens."""
     torch.manual_seed(seed)
     model = MoEGPT(vocab=4096, d=64, layers=1, experts=experts, hidden=64, groups=4)
-    g = torch.Generator().manual_seed(seed)
-    ranks = torch.arange(1, 4097, dtype=torch.float64)
-    tokens = torch.multinomial(ranks.pow(-1.05), 16 * 256, replacement=True, generator=g).reshape(16, 256)
+    tokens = _zipf_tokens(seed)
     (group,) = annotate_experts(capture(model, (tokens,)), (tokens,))
     return group.load
 
@@ -234,9 +258,17 @@ def main() -> None:
     for r in balance:
         print(f"| {r['profile']} | {r['devices']} | {100 * r['hottest_expert_share']:.1f}% | {r['in_order']:.2f} | "
               f"{r['placed']:.2f} | {r['bound']:.2f} |")
+    placed = moe_placed()
+    print("\n| planned MoE (experts placed by the plan) | layer | expert devices | hottest expert's share "
+          "| max/mean in order | max/mean as planned | order applied |")
+    print("|---|---|---|---|---|---|---|")
+    for r in placed:
+        print(f"| {r['case']} on {r['cluster']} | {r['layer']} | {r['expert_devices']} | "
+              f"{100 * r['hottest_expert_share']:.1f}% | {r['in_order']:.2f} | {r['placed']:.2f} | "
+              f"{r['order_applied']} |")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "sparse.json"), "w") as f:
-        json.dump({"sparse": rows, "moe": moe, "load_balance": balance}, f, indent=1)
+        json.dump({"sparse": rows, "moe": moe, "load_balance": balance, "moe_placed": placed}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,10 @@ The router (a ``topk`` over a last dim of the expert count inside the same modul
 on the example inputs gives the tokens each expert receives. Expert parallelism puts experts
 in contiguous blocks on devices; :func:`balanced_order` finds the order of experts (a
 relabelling: the router's outputs and the stacked weights permuted alike, which changes
-nothing in the model's function) whose contiguous blocks carry the most even load.
+nothing in the model's function) whose contiguous blocks carry the most even load. A
+ModuleList's experts are placed in that order (passes.expert_order, when its check on the
+example inputs passes); a stacked (E, ...) parameter keeps the model's order — its rows are
+the user's tensor — and the order is advice in the plan.
 
 Writes ``node.meta["autopar.experts"] = ExpertGroup(...)`` on the expert weights' placeholders.
 """
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.passes.capture import Captured
+from autopar.passes.expert_order import Relabel, find_relabel
 from autopar.passes.stack_experts import STACKED_KEY
 from autopar.passes.values import evaluate, real_values
 
@@ -56,6 +60,9 @@ class ExpertGroup:
     # the E experts' weights of one name (``<module>.<e>.<name>``)
     form: str = "stacked"
     nodes: tuple[str, ...] = ()  # the graph nodes of the stacked weights (placeholders, or stack nodes)
+    # a ModuleList's experts whose router can be made to speak in slots (passes.expert_order):
+    # the planner may then place them in a balanced order; None: the order stays advice
+    relabel: Relabel | None = None
 
     @property
     def load_source(self) -> str:
@@ -93,10 +100,13 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
                 chosen = chosen[1]
             if isinstance(chosen, torch.Tensor):
                 load = tuple(int(c) for c in torch.bincount(chosen.reshape(-1).long(), minlength=experts))
+        form = "module_list" if STACKED_KEY in weights[0].meta else "stacked"
+        relabel = None
+        if form == "module_list" and load is not None and len(set(load)) > 1:
+            relabel = find_relabel(graph, router, tuple(w.name for w in weights), values)
         group = ExpertGroup(module, tuple(_fqns(captured, w) for w in weights), experts,
-                            int(router.args[1]) if router is not None else None, load,
-                            "module_list" if STACKED_KEY in weights[0].meta else "stacked",
-                            tuple(w.name for w in weights))
+                            int(router.args[1]) if router is not None else None, load, form,
+                            tuple(w.name for w in weights), relabel)
         for w in weights:
             w.meta[EXPERTS_KEY] = group
         groups.append(group)
@@ -135,7 +145,7 @@ def _reaches_batched_matmul(node: torch.fx.Node, experts: int, depth: int = 8, g
 
 def _router(graph: torch.fx.Graph, module: str, experts: int) -> torch.fx.Node | None:
     """The ``topk`` node choosing among ``experts`` in ``module`` or the nearest module around
-    it (a router beside an ``experts`` submodule)."""
+    it (a router beside an ``experts`` submodule, or in the model's own forward)."""
     best, depth = None, -1
     for node in graph.nodes:
         if node.target is not aten.topk.default:
@@ -143,8 +153,9 @@ def _router(graph: torch.fx.Graph, module: str, experts: int) -> torch.fx.Node |
         scores = node.args[0].meta.get("val")
         if not isinstance(scores, torch.Tensor) or scores.shape[-1] != experts:
             continue
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-            if (module == path or module.startswith(f"{path}.")) and path.count(".") > depth:
+        paths = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()] or [""]  # "": the model
+        for path in paths:
+            if (path == "" or module == path or module.startswith(f"{path}.")) and path.count(".") > depth:
                 best, depth = node, path.count(".")
     return best
 

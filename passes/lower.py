@@ -7,6 +7,8 @@ The emitted module is ``ExportedProgram.module()`` with
   * a ``redistribute`` node wherever a consumer was planned with a placement its producer
     does not give (these are the collectives of the plan, visible in ``pmodel.code``);
   * ``replicate_constant`` after factory ops, ``local_call`` for ops with no DTensor rule;
+  * ``relabel_experts`` after a router whose experts are placed in a balanced order
+    (passes.expert_order; their stacks then list the experts in that order);
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
     ``rowwise_embedding`` for lookups in a table sharded by rows;
   * ``to_full`` on every output, so callers get plain full tensors.
@@ -32,6 +34,7 @@ from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
+from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.stack_experts import expert_members, owned_dim, owner
 
 MESH_ATTR = "_autopar_mesh"
@@ -58,6 +61,10 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     needed where not every rank lowers this mesh (pipeline stages)."""
     _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate, owner_meshes)
     setattr(gm, MESH_ATTR, mesh)
+    for layer in plan.experts.values():
+        if layer.get("order_applied"):
+            relabel = layer["relabel"]
+            apply_relabel(gm.graph, Relabel(relabel["node"], relabel["kind"], tuple(relabel["stacks"])), layer["order"])
     _rewrite(gm, plan, input_names)
     gm.recompile()
 
@@ -66,7 +73,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
                       captured: Captured, sync_on_accumulate: bool,
                       owner_meshes: dict[int, list[DeviceMesh]] | None = None) -> None:
     source = dict(model.named_parameters())
-    placer = _Placer(mesh, captured, owner_meshes)
+    placer = _Placer(mesh, captured, plan, owner_meshes)
     if on_meta(model):  # materialise one module at a time, keeping only this rank's shards
         source = _shards_from_meta(gm, plan, mesh, model, captured.aliases, placer)
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
@@ -116,10 +123,17 @@ class _Placer:
     owner's coordinate — and every rank builds every such sub-mesh, in the same order, the
     first time one is needed (process-group creation is collective)."""
 
-    def __init__(self, mesh: DeviceMesh, captured: Captured,
+    def __init__(self, mesh: DeviceMesh, captured: Captured, plan: Plan,
                  owner_meshes: dict[int, list[DeviceMesh]] | None = None) -> None:
         self.mesh = mesh
         members = expert_members(captured.graph)
+        for layer in plan.experts.values():  # experts placed in a balanced order: expert e in slot order.index(e)
+            if layer.get("order_applied"):
+                slot = {e: j for j, e in enumerate(layer["order"])}
+                for name in {w.name for n in captured.graph.nodes if n.name in layer["relabel"]["stacks"]
+                             for w in n.args[0]} & members.keys():
+                    expert, experts = members[name]
+                    members[name] = (slot[expert], experts)
         self.members = {captured.parameter_of[name]: where for name, where in members.items()}
         self.submeshes = dict(owner_meshes or {})
 
@@ -292,6 +306,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.name != mesh_node.name:
             produced[node.name] = plan.parameters[node.target].placement if node.target in plan.parameters else replicated
+        if node.target is runtime.relabel_experts:  # keeps its input's placement
+            produced[node.name] = produced.get(node.args[0].name)
         if node.op != "call_function" or node.target in _RUNTIME_FUNCS:
             continue
         nplan = plan.nodes.get(node.name)
@@ -345,7 +361,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
-                  runtime.rowwise_embedding, runtime.stack_owned}
+                  runtime.rowwise_embedding, runtime.stack_owned, runtime.relabel_experts}
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -196,3 +196,27 @@ def full_value(param: torch.Tensor, grad: bool = False) -> torch.Tensor | None:
     box = [full.detach() if full is not None else None]
     dist.broadcast_object_list(box, src=int(mesh.mesh[tuple(coordinate)]), group=mesh.get_group(dim))
     return box[0]
+
+
+def relabel_experts(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tensor:
+    """The router in slots instead of experts (passes.expert_order): ``kind`` "scores"
+    permutes the last (expert) dim, ``x[..., slots]``; "ids" maps each chosen expert id to
+    its slot, ``slots[x]``. A local op on each device's piece (a permutation commutes with
+    partial sums and with splits of other dims); scores split on the expert dim are gathered
+    on those mesh dims first and split again after."""
+    if not isinstance(x, DTensor):
+        return _relabel_local(x, slots, kind)
+    placements_before = tuple(x.placements)
+    if kind == "scores":
+        expert_dim = x.dim() - 1
+        whole = tuple(Replicate() if p.is_shard(expert_dim) else p for p in placements_before)
+        if whole != placements_before:
+            x = x.redistribute(x.device_mesh, whole)
+    local = _relabel_local(x.to_local(), slots, kind)
+    out = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
+    return out.redistribute(x.device_mesh, placements_before) if tuple(out.placements) != placements_before else out
+
+
+def _relabel_local(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tensor:
+    table = torch.tensor(slots, device=x.device)
+    return x.index_select(-1, table) if kind == "scores" else table[x].to(x.dtype)

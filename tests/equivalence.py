@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 import models
-from autopar.passes.runtime import full_value
+from autopar.passes.runtime import OWNED_ATTR, full_value
 
 
 def _full(t):
@@ -95,6 +95,11 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["placements"] = sorted({str(tuple(p.placements)) for p in params.values()})
     errors["redistributes"] = pmodel.code.count("redistribute(")
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
+    # experts placed in a balanced order (passes.expert_order): each weight's owner, and the orders
+    errors["owners"] = {name: getattr(p, OWNED_ATTR)[2] for name, p in params.items() if hasattr(p, OWNED_ATTR)}
+    errors["orders_applied"] = {module: layer["order"] for module, layer in pmodel.plan.experts.items()
+                                if layer.get("order_applied")}
+    errors["relabels"] = [line.strip() for line in pmodel.code.splitlines() if "relabel_experts(" in line]
     return errors
 
 

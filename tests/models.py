@@ -71,13 +71,17 @@ class MoE(nn.Module):
     cut into ``groups``; in each group every expert takes at most ``capacity`` tokens (first
     choices queue before second choices, overflow is dropped); one-hot dispatch and combine
     tensors move tokens to expert slots and back; the experts are stacked weights (E, d, h)
-    applied by batched matmuls."""
+    applied by batched matmuls. ``skew`` > 0 gives the router a bias falling over the experts,
+    so the first experts take most tokens (a skewed load)."""
 
     def __init__(self, d: int = 32, hidden: int = 64, experts: int = 4, top_k: int = 2, groups: int = 4,
-                 capacity_factor: float = 1.5) -> None:
+                 capacity_factor: float = 1.5, skew: float = 0.0) -> None:
         super().__init__()
         self.experts, self.top_k, self.groups, self.capacity_factor = experts, top_k, groups, capacity_factor
-        self.router = nn.Linear(d, experts, bias=False)
+        self.router = nn.Linear(d, experts, bias=skew > 0)
+        if skew > 0:
+            with torch.no_grad():
+                self.router.bias.copy_(skew * torch.linspace(1, -1, experts))
         self.w_in = nn.Parameter(torch.randn(experts, d, hidden) * d ** -0.5)
         self.w_out = nn.Parameter(torch.randn(experts, hidden, d) * hidden ** -0.5)
 
@@ -120,8 +124,8 @@ class ModuleListMoE(MoE):
     expert takes its slice of the dispatched tokens, the outputs are stacked."""
 
     def __init__(self, d: int = 32, hidden: int = 64, experts: int = 4, top_k: int = 2, groups: int = 4,
-                 capacity_factor: float = 1.5) -> None:
-        super().__init__(d, hidden, experts, top_k, groups, capacity_factor)
+                 capacity_factor: float = 1.5, skew: float = 0.0) -> None:
+        super().__init__(d, hidden, experts, top_k, groups, capacity_factor, skew)
         del self.w_in, self.w_out
         self.expert = nn.ModuleList(Expert(d, hidden) for _ in range(experts))
 
@@ -130,15 +134,41 @@ class ModuleListMoE(MoE):
         return torch.stack([expert(tokens[e]) for e, expert in enumerate(self.expert)]).reshape(expert_in.shape)
 
 
+class DenseRoutedMoE(nn.Module):
+    """A ModuleList MoE where every expert sees every token and top-2 gates combine them; the
+    router is skewed (the first experts take most tokens). ``expose``: "prob0" adds the
+    router's probability of expert 0 to the output (a label-dependent use of the scores, like
+    an auxiliary loss); "prob0+gates" besides takes the gates from the full probabilities (they
+    must then be in the experts' labels for the output and in slots for the gates: no
+    relabelling of the experts keeps that function)."""
+
+    def __init__(self, expose: str = "", d: int = 256, experts: int = 4) -> None:
+        super().__init__()
+        self.expose, self.experts = expose, experts
+        self.router = nn.Linear(d, experts)
+        with torch.no_grad():
+            self.router.bias.copy_(torch.linspace(2, -2, experts))
+        self.expert = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x):  # (T, d)
+        probs = self.router(x).softmax(-1)
+        weights, chosen = probs.topk(2, dim=-1)
+        chosen = F.one_hot(chosen, self.experts).to(x.dtype)  # (T, k, E)
+        gates = probs * chosen.sum(1) if self.expose == "prob0+gates" else (weights.unsqueeze(-1) * chosen).sum(1)
+        routed = x.unsqueeze(0).expand(self.experts, *x.shape)
+        out = torch.einsum("te,etd->td", gates, torch.stack([m(routed[e]) for e, m in enumerate(self.expert)]))
+        return out + probs[:, :1] if self.expose else out
+
+
 class MoEBlock(Block):
     """Pre-norm transformer block whose feed-forward is a mixture of experts."""
 
     def __init__(self, d: int = 32, heads: int = 4, experts: int = 4, hidden: int = 64, groups: int = 4,
-                 capacity_factor: float = 1.5, module_list: bool = False) -> None:
+                 capacity_factor: float = 1.5, module_list: bool = False, skew: float = 0.0) -> None:
         super().__init__(d, heads)
         del self.fc, self.out
         self.moe = (ModuleListMoE if module_list else MoE)(d, hidden, experts, groups=groups,
-                                                           capacity_factor=capacity_factor)
+                                                           capacity_factor=capacity_factor, skew=skew)
 
     def feed_forward(self, x):
         return self.moe(x)
@@ -148,10 +178,10 @@ class MoEGPT(nn.Module):
     """A small MoE transformer: token embedding, MoE blocks, head."""
 
     def __init__(self, vocab: int = 64, d: int = 32, layers: int = 2, experts: int = 4, hidden: int = 64,
-                 groups: int = 4, capacity_factor: float = 1.5, module_list: bool = False) -> None:
+                 groups: int = 4, capacity_factor: float = 1.5, module_list: bool = False, skew: float = 0.0) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups, capacity_factor, module_list)
+        self.blocks = nn.ModuleList(MoEBlock(d, 4, experts, hidden, groups, capacity_factor, module_list, skew)
                                     for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)

@@ -76,6 +76,8 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     errors["batch_split"] = [r.batch for r in plan.replicas]
     errors["between_groups"] = {fqn: t.get("between_groups") for fqn, t in plan.sparse.items()}
     errors["experts"] = {module: layer["exchange"] for module, layer in plan.experts.items()}
+    errors["orders_applied"] = {module: layer["order"] for module, layer in plan.experts.items()
+                                if layer.get("order_applied")}
     return errors
 
 

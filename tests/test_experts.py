@@ -5,8 +5,10 @@ the single-process model in real gloo processes."""
 from __future__ import annotations
 
 import os
+
 import pytest
 import torch
+from rich.console import Console
 
 import autopar
 import models
@@ -15,6 +17,7 @@ from autopar.costing import recost
 from autopar.passes.capture import capture
 from autopar.passes.experts import annotate_experts, balanced_order, device_loads, imbalance
 from autopar.passes.stack_experts import STACKED_KEY
+from autopar.report import experts_table
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
 
@@ -98,6 +101,28 @@ def test_without_values_the_load_is_uniform():
     assert group.load is None and group.load_source == "uniform"
 
 
+@pytest.mark.parametrize("expose, kind", [("", "scores"), ("prob0", "ids"), ("prob0+gates", None)])
+def test_experts_are_relabelled_only_where_the_function_is_kept(expose, kind):
+    """The router is made to speak in slots at the first point whose relabelling keeps the
+    model's outputs (checked on the example inputs): its logits, else the chosen ids; when
+    neither does, the balanced order stays advice and the experts keep the model's order."""
+    torch.manual_seed(0)
+    model, x = models.DenseRoutedMoE(expose), torch.randn(16, 256)
+    (group,) = annotate_experts(capture(model, (x,)), (x,))
+    assert group.form == "module_list" and len(set(group.load)) > 1
+    assert (group.relabel.kind if group.relabel else None) == kind
+    if kind == "scores":
+        assert group.relabel.node.startswith("addmm")  # the router's own output, bias included
+    plan = autopar.plan(model, (x,), cluster="2xcpu", pipeline=False, replicas=False)
+    (layer,) = plan.experts.values()
+    assert layer["order"] != sorted(layer["order"]) and layer["exchange"] == "expert_parallel", layer
+    assert layer["order_applied"] is (kind is not None)
+    assert layer["imbalance"] < layer["imbalance_in_order"]
+    console = Console(width=200, record=True)
+    console.print(experts_table(plan))  # what `autopar show` prints
+    assert ("(placed)" if kind else "(advice)") in console.export_text()
+
+
 def test_balanced_order_evens_out_a_skewed_load():
     load = (40, 30, 25, 20, 1, 1, 1, 2, 2, 3, 5, 4, 6, 3, 3, 2)  # in order: 115, 5, 14, 14
     order = balanced_order(load, 4)
@@ -152,9 +177,12 @@ def test_plan_reports_module_list_experts_with_their_load():
 MOE_WORLD2 = [
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8}, "tokens", 8, {"cluster": "2xH100", "memory_fraction": 0.6},
      "float64"),
-    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True}, "tokens", 8,
-     {"cluster": "2xcpu"}, "float64"),  # ModuleList experts, each on its owner (expert parallel)
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True, "skew": 1.0}, "tokens", 8,
+     {"cluster": "2xcpu"}, "float64"),  # ModuleList experts, each on its owner (expert parallel), a skewed
+    # router: the experts go to their owners in a balanced order
     ("MoEGPT", {"d": 32, "hidden": 64, "experts": 4}, "tokens", 8, {"cluster": "2xH100"}),
+    # the router's scores read by the output too: the chosen ids are mapped to slots instead
+    ("DenseRoutedMoE", {"expose": "prob0"}, "vec:256", 16, {"cluster": "2xcpu"}, "float64"),
 ]
 MOE_WORLD4 = [  # experts over one mesh dim and their hidden dim over the other; expert TP alone (8 experts
     # expert-parallel are checked on 2 ranks above; on 4 ranks the planner splits them over every device)
@@ -178,16 +206,33 @@ def _bound(case, key: str) -> float:
     return {"output": 1e-4, "param": 1e-3, "param_flat": 3 * 1e-2}.get(key, 1e-5)
 
 
+def _assert_owners_follow_orders(result: dict, devices: int) -> None:
+    """Every expert weight of a layer placed in a balanced order lives on its slot's device."""
+    assert result["orders_applied"], result["orders_applied"]
+    for module, order in result["orders_applied"].items():
+        assert order != sorted(order), order
+        per = len(order) // devices
+        for e in range(len(order)):
+            owners = {o for name, o in result["owners"].items() if name.startswith(f"{module}.{e}.")}
+            assert owners == {order.index(e) // per}, (module, e, order, owners)
+
+
 @pytest.mark.distributed
 def test_moe_equivalence_two_processes():
-    exchanges = assert_equivalent(MOE_WORLD2, run_world(2, run_cases, MOE_WORLD2), _bound)
+    results = run_world(2, run_cases, MOE_WORLD2)
+    exchanges = assert_equivalent(MOE_WORLD2, results, _bound)
     assert "expert_parallel" in exchanges, exchanges
+    _assert_owners_follow_orders(results[1], 2)
+    _assert_owners_follow_orders(results[3], 2)
+    assert all("'ids')" in line for line in results[3]["relabels"]), results[3]["relabels"]  # not the scores
 
 
 @pytest.mark.distributed
 def test_moe_equivalence_four_processes_1d_and_2x2_mesh():
-    exchanges = assert_equivalent(MOE_WORLD4, run_world(4, run_cases, MOE_WORLD4), _bound)
+    results = run_world(4, run_cases, MOE_WORLD4)
+    exchanges = assert_equivalent(MOE_WORLD4, results, _bound)
     assert {"expert_parallel", "expert_tensor_parallel"} <= exchanges, exchanges
+    _assert_owners_follow_orders(results[2], 2)  # 4 experts over the mesh dim of 2 placed "O"
 
 
 def test_transformers_mixtral_experts_and_router_load_are_found():
@@ -249,3 +294,5 @@ def test_pipeline_stages_and_replicas_plan_experts_and_stages_train_like_one_pro
         assert result["stage_meshes"] == ([[2], [2]] if k < 2 else []) and result["all_params_covered"], result
         assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
         assert result["output"] < 2e-6, result
+        if k > 0:  # a ModuleList's experts: placed in the balanced order of each stage's / group's load
+            assert result["orders_applied"], result  # (a layer whose own order is as even keeps it)

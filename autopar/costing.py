@@ -19,7 +19,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import ProblemIndex, build_problem, lookup_exchange_s, unit_links
-from autopar.passes.sparse import add_sparse_exchange
+from autopar.passes.sparse import add_sparse_exchange, add_table_wise
 from autopar.passes.strategies import enumerate_strategies
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 
@@ -69,6 +69,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     annotate_saved(captured.graph)
     enumerate_strategies(captured.graph, mesh.shape)
     add_sparse_exchange(captured.graph)
+    add_table_wise(captured.graph, mesh.shape)
     add_owned_stacks(captured.graph, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic)

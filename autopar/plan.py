@@ -86,11 +86,13 @@ class NodePlan:
 @dataclass(frozen=True)
 class ParameterPlan:
     # one entry per mesh dim: "R", "S(k)" (tensor dim k split), or "O" for a ModuleList expert's
-    # weight that lives whole on one device of that dim, its owner (passes.stack_experts)
+    # weight or a table-wise table that lives whole on one device of that dim, its owner
+    # (passes.stack_experts, passes.sparse)
     placement: str
     bytes: int
     # how its gradient is synchronised: "allreduce", "reduce_scatter"; for sparse tables also
-    # "sparse_allgather" (touched rows), "row_sharded" (lookups routed to row owners), "column_sharded";
+    # "sparse_allgather" (touched rows), "row_sharded" (lookups routed to row owners), "column_sharded",
+    # "table_wise" (the table on one device, pooled bags sent in one all-to-all; no gradient collective);
     # for MoE expert weights "expert_parallel" (experts split over devices, tokens moved by
     # all-to-all; no gradient collective for "O" weights) or "expert_tensor_parallel" (each
     # expert's hidden dim split)
@@ -168,10 +170,12 @@ class Plan:
     schedule: str | None = None
     bubble: float = 0.0
     # sparse tables (passes.sparse): {fqn: {rows, row_bytes, lookups, touched_rows, density,
-    # density_source, exchange, bytes_per_step: {method: bytes one device receives}}}
+    # density_source, exchange, bytes_per_step: {method: bytes one device receives}, and for
+    # table-wise tables owner (coordinate on the mesh dim placed "O") and pooled_bytes}}
     sparse: dict[str, dict[str, Any]] = field(default_factory=dict)
     # MoE layers (passes.experts): {module: {experts, top_k, parameters, placement, exchange,
-    # expert_devices, load, load_source, order, device_load, imbalance, device_load_in_order,
+    # expert_devices, load, load_source, order, order_applied (the experts live in that order;
+    # then also relabel: {node, kind, stacks}), device_load, imbalance, device_load_in_order,
     # imbalance_in_order}}
     experts: dict[str, dict[str, Any]] = field(default_factory=dict)
     # symbolic costs (passes.symbolic): {symbol, traced_batch, batch_inputs, step_s (sympy

@@ -27,7 +27,7 @@ from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, unit_links
-from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, exchange_bytes
+from autopar.passes.sparse import LOOKUP_KEY, TABLE_WISE, add_sparse_exchange, add_table_wise, exchange_bytes
 from autopar.passes.strategies import enumerate_strategies
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
@@ -64,6 +64,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     for order, mesh in enumerate(meshes):
         enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
         add_sparse_exchange(captured.graph)
+        add_table_wise(captured.graph, mesh.shape)
         add_owned_stacks(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated, activation_copies)
@@ -370,7 +371,31 @@ def _sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: d
             "touched_rows": lookup.touched_rows(devices), "density": lookup.touched_rows(devices) / lookup.rows,
             "density_source": lookup.source, "exchange": exchange,
             "bytes_per_step": exchange_bytes(lookup, devices)}
+        if exchange == TABLE_WISE:
+            tables[lookup.parameter]["pooled_bytes"] = lookup.result_bytes
+    for fqn, owner in table_owners(tables, parameters, mesh).items():
+        tables[fqn]["owner"] = owner
     return tables
+
+
+def table_owners(tables: dict[str, dict], parameters: dict[str, ParameterPlan], mesh: MeshSpec) -> dict[str, int]:
+    """The device (coordinate on the mesh dim placed "O") that holds each table-wise table:
+    most pooled bytes first, each onto the device sending the fewest so far (the fused
+    all-to-all waits for the busiest sender), then holding the fewest table bytes — TorchRec's
+    greedy table-wise partitioner, by traffic first."""
+    owners: dict[str, int] = {}
+    by_dim: dict[int, list[str]] = {}
+    for fqn, table in tables.items():
+        if table["exchange"] == TABLE_WISE:
+            by_dim.setdefault(owned_dim(parameters[fqn].placement), []).append(fqn)
+    for dim, members in sorted(by_dim.items()):
+        sent, held = [0] * mesh.shape[dim], [0] * mesh.shape[dim]
+        for fqn in sorted(members, key=lambda f: (-tables[f]["pooled_bytes"], -parameters[f].bytes, f)):
+            k = min(range(mesh.shape[dim]), key=lambda k: (sent[k], held[k], k))
+            owners[fqn] = k
+            sent[k] += tables[fqn]["pooled_bytes"]
+            held[k] += parameters[fqn].bytes
+    return owners
 
 
 def _expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],

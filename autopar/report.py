@@ -226,17 +226,21 @@ def sparse_table(plan: Plan) -> Table:
     """Parallax's view of each embedding table: how sparse its access is and what each way of
     exchanging its gradient would move."""
     table = Table(title="sparse tables: access and bytes per step per device by exchange",
-                  caption="row-sharded: ids gathered, lookup results (bags pooled on the owner) reduced and back")
+                  caption="row-sharded: ids gathered, lookup results (bags pooled on the owner) reduced and back; "
+                  "table-wise: the whole table on one device (owner), pooled bags sent in one all-to-all")
     between = any("between_groups" in t for t in plan.sparse.values())  # replicas: how tables cross groups
-    columns = ["table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded"]
+    columns = ["table", "rows", "touched/device", "from", "chosen", "allreduce", "sparse rows", "row-sharded",
+               "table-wise"]
     if between:
         columns += ["between groups", "between: allreduce", "between: rows"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("table", "from", "chosen", "between groups") else "right")
     for fqn, t in sorted(plan.sparse.items()):
         volumes = t["bytes_per_step"]
+        chosen = t["exchange"] + (f" (device {t['owner']})" if "owner" in t else "")
         row = [fqn, f"{t['rows']:,}", f"{t['touched_rows']:,} ({100 * t['density']:.2g}%)", t["density_source"],
-               t["exchange"], *(format_bytes(volumes[k]) for k in ("allreduce", "sparse_allgather", "row_sharded"))]
+               chosen, *(format_bytes(volumes[k]) if k in volumes else "-"
+                         for k in ("allreduce", "sparse_allgather", "row_sharded", "table_wise"))]
         if between:
             crossing = t.get("between_groups_bytes", {})
             row += [t.get("between_groups", "-"),

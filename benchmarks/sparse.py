@@ -22,8 +22,8 @@ on the device of its slot in the balanced order).
 Baselines: "ddp" and "row_wise" are the planner's own baselines (same cost model, the rest of
 the graph optimised by the ILP); "torchrec_greedy" places every table whole on one device
 (largest first, onto the device with the fewest bytes so far, as TorchRec's greedy
-partitioner does for table-wise sharding) and is costed analytically here, because a whole
-table on one device of a mesh is not a DTensor placement: its step time is the DDP plan's
+partitioner does for table-wise sharding) and is costed analytically here (the planner
+itself chooses table-wise per table, with everything else): its step time is the DDP plan's
 minus the tables' all-reduce, plus the all-to-alls of ids (forward) and pooled rows (forward
 and backward) on the mesh's bottleneck link; its bytes are DDP's minus the tables' all-reduce
 plus those all-to-alls.

@@ -9,6 +9,8 @@ The emitted module is ``ExportedProgram.module()`` with
   * ``replicate_constant`` after factory ops, ``local_call`` for ops with no DTensor rule;
   * ``relabel_experts`` after a router whose experts are placed in a balanced order
     (passes.expert_order; their stacks then list the experts in that order);
+  * ``table_wise_lookups`` for lookups in tables that live whole on one device (table-wise):
+    every owner pools its tables' bags, one all-to-all for all of them;
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
     ``rowwise_embedding`` for lookups in a table sharded by rows;
   * ``to_full`` on every output, so callers get plain full tensors.
@@ -35,6 +37,7 @@ from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.expert_order import Relabel, apply_relabel
+from autopar.passes.sparse import TABLE_WISE
 from autopar.passes.stack_experts import expert_members, owned_dim, owner
 
 MESH_ATTR = "_autopar_mesh"
@@ -135,6 +138,7 @@ class _Placer:
                     expert, experts = members[name]
                     members[name] = (slot[expert], experts)
         self.members = {captured.parameter_of[name]: where for name, where in members.items()}
+        self.table_owners = {fqn: table["owner"] for fqn, table in plan.sparse.items() if "owner" in table}
         self.submeshes = dict(owner_meshes or {})
 
     def __call__(self, fqn: str, full: torch.Tensor, placement: str) -> DTensor:
@@ -153,6 +157,8 @@ class _Placer:
 
     def _owner(self, fqn: str, dim: int) -> int:
         """The owner's coordinate on mesh dim ``dim``."""
+        if fqn in self.table_owners:  # a table placed table-wise
+            return self.table_owners[fqn]
         if fqn not in self.members:
             raise AutoparError(ErrorKind.BAD_PLAN, f"parameter {fqn} is placed \"O\" (on its owner only), but it is "
                                "not the weight of a batched expert in this model; re-plan this model")
@@ -303,6 +309,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
         produced[new.name] = planned
     replicated = ",".join(["R"] * len(plan.mesh_shape))
+    table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.name != mesh_node.name:
             produced[node.name] = plan.parameters[node.target].placement if node.target in plan.parameters else replicated
@@ -334,6 +341,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         elif nplan.exchange == "sparse_allgather":  # the lookup exchanges its table's gradient itself
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])
             node.target = runtime.sparse_embedding
+        elif nplan.exchange == TABLE_WISE:  # its table lives on its owner: fused below with the others
+            table_wise.append(node)
         elif node.target is torch.ops.aten.embedding.default and "S(0)" in nplan.inputs[0]:
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
@@ -350,6 +359,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         if not nplan.inputs and nplan.outputs:
             new = _insert_after(graph, node, runtime.replicate_constant, (node, mesh_node))
             produced[new.name] = produced[node.name]
+    _fuse_table_wise(graph, plan, mesh_node, table_wise)
     out = graph.output_node()
     flat, _ = tree_flatten(out.args)
     for arg in {a for a in flat if isinstance(a, torch.fx.Node)}:
@@ -359,9 +369,79 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     graph.lint()
 
 
+def _fuse_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node, lookups: list[torch.fx.Node]) -> None:
+    """Replace table-wise lookups and their bag pooling by ``runtime.table_wise_lookups``
+    calls, one per run of lookups (same mesh dim, same dtype) whose tables and ids all exist
+    before any pooled result is used — in a DLRM, one for all tables."""
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    pending: list[tuple[torch.fx.Node, torch.fx.Node]] = []
+    for lookup in sorted(lookups, key=position.get):
+        pool = _pool_after(lookup)
+        if pool is None:
+            raise AutoparError(ErrorKind.BAD_PLAN, f"lookup {lookup.name} is planned table-wise, but no bag sum or "
+                               "mean alone reads its rows in this model; re-plan this model")
+        run = pending + [(lookup, pool)]
+        ready = max(position[a] for lk, _ in run for a in lk.args[:2])
+        first_use = min(position[u] for _, p in run for u in p.users)
+        same = len({(plan.nodes[lk.name].inputs[0], plan.nodes[lk.name].outputs[0], lk.meta["val"].dtype)
+                    for lk, _ in run}) == 1  # one mesh dim, one batch split, one dtype
+        if pending and not (ready < first_use and same):
+            _emit_table_wise(graph, plan, mesh_node, pending)
+            run = [(lookup, pool)]
+        pending = run
+    if pending:
+        _emit_table_wise(graph, plan, mesh_node, pending)
+
+
+def _pool_after(lookup: torch.fx.Node) -> torch.fx.Node | None:
+    """The bag's sum/mean reading ``lookup`` (through the redistribute lowering may have put between)."""
+    node = lookup
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is runtime.redistribute:
+            node = user
+            continue
+        return user if user.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim) else None
+    return None
+
+
+def _emit_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node,
+                     run: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    last_input = max((a for lookup, _ in run for a in lookup.args[:2]), key=position.get)
+    specs = [plan.nodes[lookup.name].outputs[0] for lookup, _ in run]  # pooled: the lookup's batch split
+    args = ([lookup.args[0] for lookup, _ in run], [lookup.args[1] for lookup, _ in run], mesh_node,
+            owned_dim(plan.nodes[run[0][0].name].inputs[0]),
+            [(tuple(pool.args[1]), pool.target is torch.ops.aten.mean.dim) for _, pool in run],
+            [tuple(pool.meta["val"].shape[1:]) for _, pool in run], specs)
+    with graph.inserting_after(last_input):
+        fused = graph.call_function(runtime.table_wise_lookups, args)
+    anchor = fused
+    for t, (lookup, pool) in enumerate(run):
+        with graph.inserting_after(anchor):
+            result = graph.call_function(operator.getitem, (fused, t))
+        result.meta["val"] = pool.meta["val"]
+        anchor = result
+        wanted = plan.nodes[pool.name].outputs[0]
+        if wanted != specs[t]:  # the pooled rows where the plan wants them
+            with graph.inserting_after(anchor):
+                result = graph.call_function(runtime.redistribute, (result, mesh_node, wanted))
+            result.meta["val"] = pool.meta["val"]
+            anchor = result
+        pool.replace_all_uses_with(result)
+        dead = [pool]
+        node = pool.args[0]
+        while node is not lookup:
+            dead.append(node)
+            node = node.args[0]
+        for node in [*dead, lookup]:
+            graph.erase_node(node)
+
+
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
-                  runtime.rowwise_embedding, runtime.stack_owned, runtime.relabel_experts}
+                  runtime.rowwise_embedding, runtime.stack_owned, runtime.relabel_experts,
+                  runtime.table_wise_lookups}
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -38,7 +38,7 @@ from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.memory import SAVED_KEY
-from autopar.passes.sparse import LOOKUP_KEY, UNIT_LINK, sparse_exchange_s
+from autopar.passes.sparse import LOOKUP_KEY, UNIT_LINK, owned_table_options, sparse_exchange_s, table_wise_tables
 from autopar.passes.stack_experts import OWNED, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
@@ -70,11 +70,13 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     ``symbolic``: times as sympy expressions in the batch size, from the quantities
     passes.symbolic attached (memory stays in numbers); for evaluating a plan, not solving.
     Batched experts' weights may also take the "O" placement (passes.stack_experts; the
-    stack nodes' twins come from :func:`add_owned_stacks`)."""
+    stack nodes' twins come from :func:`add_owned_stacks`), and so may sparse tables whose
+    lookups have table-wise twins (passes.sparse.add_table_wise)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
     members = expert_members(graph)
+    tables = table_wise_tables(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
@@ -90,8 +92,12 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             if node.name in members:  # a batched expert's weight may live on its owner only
                 options += [Strategy((p,), ()) for p in owned_leaf_options(
                     [s.outputs[0] for s in options], members[node.name][1], mesh.shape)]
+            if node.name in tables:  # a table may live whole on one device of a dim (table-wise)
+                options += [Strategy((p,), ()) for p in owned_table_options(mesh.shape)]
             copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
-            mem = [copies * tensor_bytes(val) // _shards(s.outputs[0], mesh.shape) for s in options]
+            # tables' owners differ in what they hold; the busiest holds at most the whole table
+            mem = [copies * tensor_bytes(val) // (1 if node.name in tables and OWNED in s.outputs[0]
+                                                  else _shards(s.outputs[0], mesh.shape)) for s in options]
             cost = [0.0] * len(options)
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]

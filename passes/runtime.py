@@ -6,6 +6,8 @@ by name, e.g. ``redistribute(addmm, self._autopar_mesh, 'R,S(1)')``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -220,3 +222,80 @@ def relabel_experts(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tenso
 def _relabel_local(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tensor:
     table = torch.tensor(slots, device=x.device)
     return x.index_select(-1, table) if kind == "scores" else table[x].to(x.dtype)
+
+
+def table_wise_lookups(weights: list[DTensor], ids: list[DTensor], mesh, dim: int, pools: list, rests: list,
+                       specs: list[str]) -> tuple[DTensor, ...]:
+    """Lookups in tables that each live whole on one device of mesh dim ``dim`` (placement
+    "O", passes.sparse.add_table_wise), with their bags pooled, as one exchange: each owner
+    looks up and pools its tables' bags for the whole batch it sees (``pools[t]``: (dims,
+    mean)), then one all-to-all sends every device of the dim its batch shard of every
+    table's pooled rows (``rests[t]``: a pooled row's shape). Backward sends the gradients
+    back the same way; a table's gradient never leaves its owner. Returns DTensors placed
+    ``specs[t]``."""
+    me = mesh.get_local_rank(dim)
+    owners = tuple(getattr(w, OWNED_ATTR)[2] for w in weights)
+    local_ids = [i.to_local() for i in ids]
+    batch = local_ids[0].shape[0]
+    pooled = []
+    for t, weight in enumerate(weights):
+        if owners[t] == me:
+            rows = torch.nn.functional.embedding(local_ids[t], weight.to_local())
+            dims, mean = pools[t]
+            pooled.append(rows.mean(dims) if mean else rows.sum(dims))
+    # a device that owns no table still takes part in backward's all-to-all: an input that
+    # requires grad on every device makes autograd call it everywhere
+    anchor = torch.zeros(0, dtype=weights[0].dtype, device=local_ids[0].device, requires_grad=True)
+    outs = _TableExchange.apply(mesh.get_group(dim), mesh.size(dim), me, owners, tuple(map(tuple, rests)), batch,
+                                (weights[0].dtype, local_ids[0].device), anchor, *pooled)
+    return tuple(DTensor.from_local(o, mesh, placements(spec), run_check=False) for o, spec in zip(outs, specs))
+
+
+class _TableExchange(torch.autograd.Function):
+    """Owners' pooled rows (whole batch) -> every device's batch shard of every table, one
+    ``all_to_all_single``; backward the reverse. Rows travel as (shard rows, width) blocks,
+    each owner's tables side by side in table order."""
+
+    @staticmethod
+    def forward(ctx, group, n: int, me: int, owners: tuple, rests: tuple, batch: int, kind: tuple, anchor, *pooled):
+        dtype, device = kind
+        widths = [math.prod(r) for r in rests]
+        per = batch // n
+        held = [sum(w for w, o in zip(widths, owners) if o == r) for r in range(n)]
+        ctx.group, ctx.n, ctx.me, ctx.owners, ctx.rests, ctx.batch, ctx.held = group, n, me, owners, rests, batch, held
+        ctx.kind = kind
+        flat = [p.reshape(batch, -1) for p in pooled]
+        send = (torch.cat([torch.cat([f[r * per:(r + 1) * per] for f in flat], 1).reshape(-1) for r in range(n)])
+                if flat else torch.empty(0, dtype=dtype, device=device))
+        received = torch.empty(per * sum(held), dtype=dtype, device=device)
+        dist.all_to_all_single(received, send.contiguous(), [per * h for h in held], [per * held[me]] * n, group=group)
+        outs: list = [None] * len(owners)
+        offset = 0
+        for r in range(n):
+            block = received[offset:offset + per * held[r]].view(per, held[r])
+            offset += per * held[r]
+            column = 0
+            for t in (t for t, o in enumerate(owners) if o == r):
+                outs[t] = block[:, column:column + widths[t]].reshape(per, *rests[t])
+                column += widths[t]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n, me, owners, held, batch = ctx.n, ctx.me, ctx.owners, ctx.held, ctx.batch
+        per = batch // n
+        widths = [math.prod(r) for r in ctx.rests]
+        dtype, device = ctx.kind
+        flat = [g.reshape(per, -1) if g is not None else torch.zeros(per, widths[t], dtype=dtype, device=device)
+                for t, g in enumerate(grads)]
+        send = torch.cat([torch.cat([flat[t] for t, o in enumerate(owners) if o == r], 1).reshape(-1)
+                          if held[r] else flat[0].new_empty(0) for r in range(n)])
+        received = send.new_empty(n * per * held[me])
+        dist.all_to_all_single(received, send.contiguous(), [per * held[me]] * n, [per * h for h in held],
+                               group=ctx.group)
+        blocks = received.view(n, per, held[me]).reshape(batch, held[me])  # rows in rank order: the whole batch
+        pooled_grads, column = [], 0
+        for t in (t for t, o in enumerate(owners) if o == me):
+            pooled_grads.append(blocks[:, column:column + widths[t]].reshape(batch, *ctx.rests[t]))
+            column += widths[t]
+        return (None,) * 8 + tuple(pooled_grads)

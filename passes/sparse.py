@@ -11,12 +11,19 @@ small. Per device and step, for a table of ``w`` bytes over ``n`` data-parallel 
     row-wise sharded      no gradient exchange: lookups are routed to the owner of each row
                           (DTensor's ``Shard(0)`` rule: the lookup result is a masked partial
                           sum, reduced where it is used; its cost is on those edges)
+    table-wise            no gradient exchange: the whole table on one device, which pools the
+                          bags of the whole batch; one all-to-all for all such tables gives each
+                          device its batch shard: 2·(n−1)/n² · p per table (p = pooled bags'
+                          bytes), forward and backward, when the tables spread evenly
 
 Row-wise sharding is one of DTensor's own embedding strategies, so the ILP already weighs it.
 This pass adds the sparse all-gather: every data-parallel strategy of a lookup (table
 replicated, indices sharded) gets a twin whose table gradient is exchanged sparsely by the
 op itself (``Strategy.exchange``), with the all-gather on the node and no partial gradient
-on the table's edge; the solver picks per table under the same memory limits.
+on the table's edge; and every pooled lookup (an embedding bag) twins that place its table
+table-wise (:func:`add_table_wise`; owners are chosen after the solve, greedily by traffic,
+and lowering fuses the lookups into one exchange). The solver picks per table under the same
+memory limits (a table-wise table counts whole on every device: owners hold different tables).
 
 The number of rows one device touches comes from, in order: the user (``sparsity={fqn: α}``,
 α = fraction of the table's rows one device touches per step); the example inputs (the index
@@ -36,15 +43,17 @@ from dataclasses import dataclass
 import torch
 
 from autopar.cluster import Link
-from autopar.comm import all_gather_s, all_reduce_s, reduce_scatter_s
+from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec
 from autopar.passes.capture import Captured
-from autopar.passes.strategies import STRATEGIES_KEY, Strategy
+from autopar.passes.stack_experts import OWNED
+from autopar.passes.strategies import STRATEGIES_KEY, Strategy, evenly_sharded
 from autopar.passes.values import evaluate, real_values
 
 LOOKUP_KEY = "autopar.lookup"
 SPARSE_ALLGATHER = "sparse_allgather"
+TABLE_WISE = "table_wise"
 INDEX_BYTES = 8  # int64 row ids travel with the rows
 UNIT_LINK = Link(bandwidth_Bps=1.0, latency_s=0.0)  # a collective's time on this link is its volume in bytes
 
@@ -60,6 +69,7 @@ class Lookup:
     density: float | None = None  # user's α: fraction of rows one device touches per step
     indices: torch.Tensor | None = None  # the lookup's real index values, when the inputs had them
     pooled_bytes: int | None = None  # whole batch's lookup results after the bag's sum/mean, when pooled
+    fused: int = 1  # table-wise lookups of the graph whose exchanges go in one all-to-all (add_table_wise)
     _touched: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -162,9 +172,82 @@ def add_sparse_exchange(graph: torch.fx.Graph) -> None:
         node.meta[STRATEGIES_KEY] = strategies + twins
 
 
+def pooling_of(lookup: torch.fx.Node) -> torch.fx.Node | None:
+    """The bag's sum or mean that alone reads a lookup's rows, over dims other than the row's
+    (keepdim off, no dtype): what a table's owner computes before sending (table-wise)."""
+    if len(lookup.users) != 1:
+        return None
+    (user,) = lookup.users
+    if user.target not in _POOLS or user.kwargs or len(user.args) > 3 or (len(user.args) == 3 and user.args[2]):
+        return None
+    dims, rank = (user.args[1] if len(user.args) > 1 else None), lookup.meta["val"].dim()
+    if not dims or any(d % rank == rank - 1 for d in dims) or 0 in [d % rank for d in dims]:
+        return None
+    return user
+
+
+def add_table_wise(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
+    """Give every pooled lookup of a sparse table (an embedding bag) twins that place the
+    table whole on one device of a mesh dim, its owner ("O", TorchRec's table-wise sharding):
+    the owner looks up and pools the bags of the whole batch (ids replicated on that dim), and
+    one all-to-all for all such tables sends every device its batch shard of the pooled rows
+    (the twin's output ``Shard(0)`` there); backward sends the gradients the other way and
+    the table's gradient stays on its owner. Twins come from strategies with the table and
+    the ids replicated (so the owner's copies along the other mesh dims compute the same
+    gradient and need no sum)."""
+    eligible = [n for n in graph.nodes if LOOKUP_KEY in n.meta and STRATEGIES_KEY in n.meta
+                and pooling_of(n) is not None]
+    for node in eligible:
+        node.meta[LOOKUP_KEY].fused = len(eligible)
+        shape = node.meta["val"].shape
+        strategies = [s for s in node.meta[STRATEGIES_KEY] if s.exchange != TABLE_WISE]
+        twins = []
+        for s in strategies:
+            table, ids, out = s.inputs[0], s.inputs[1], s.outputs[0]
+            if s.exchange or out is None or any(p != "R" for p in table) or any(p.startswith("P") for p in ids):
+                continue
+            if any(p != "R" for p in ids):
+                continue  # a batch split on another dim would leave the owners partial gradients to sum
+            for d, size in enumerate(mesh_shape):
+                owned_out = out[:d] + ("S(0)",) + out[d + 1:]
+                if size > 1 and out[d] == "R" and evenly_sharded(shape, owned_out, mesh_shape):
+                    twins.append(Strategy((owned_out,), (table[:d] + (OWNED,) + table[d + 1:], ids),
+                                          exchange=TABLE_WISE))
+        node.meta[STRATEGIES_KEY] = strategies + list(dict.fromkeys(twins))
+
+
+def table_wise_tables(graph: torch.fx.Graph) -> set[str]:
+    """Placeholder names of the tables whose lookup has table-wise twins."""
+    return {n.args[0].name for n in graph.nodes if LOOKUP_KEY in n.meta
+            and any(s.exchange == TABLE_WISE for s in n.meta.get(STRATEGIES_KEY, ()))}
+
+
+def owned_table_options(mesh_shape: tuple[int, ...]) -> list[tuple[str, ...]]:
+    """A table's table-wise placements: whole on one device of a mesh dim, replicated on the others."""
+    return [tuple(OWNED if k == d else "R" for k in range(len(mesh_shape)))
+            for d, size in enumerate(mesh_shape) if size > 1]
+
+
+def table_wise_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None) -> float:
+    """A table-wise lookup's share of the fused all-to-all, forward and backward: its owner
+    sends (n−1)/n of the pooled rows, and with the tables spread evenly over the n owners each
+    device sends 1/n of all tables' — (n−1)/n² of this table's bytes, the all-to-all's volume —
+    while the collective's latency is paid once for the ``lookup.fused`` tables."""
+    links = links or mesh.links
+    d = strategy.inputs[0].index(OWNED)
+    n, link = mesh.shape[d], links[d]
+    others = math.prod(size for k, (p, size) in enumerate(zip(strategy.outputs[0], mesh.shape))
+                       if k != d and p.startswith("S("))
+    volume = all_to_all_s(lookup.result_bytes / others, n, dataclasses.replace(link, latency_s=0.0))
+    return 2 * (volume + all_to_all_s(0.0, n, link) / lookup.fused)
+
+
 def sparse_exchange_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None) -> float:
     """Time of the twin's gradient exchange: one all-gather of (row id, row) pairs per mesh dim
-    the indices are split on, innermost first; each gathers what the previous one collected."""
+    the indices are split on, innermost first; each gathers what the previous one collected.
+    A table-wise twin's is its pooled rows' all-to-all (:func:`table_wise_s`)."""
+    if strategy.exchange == TABLE_WISE:
+        return table_wise_s(lookup, strategy, mesh, links)
     links = links or mesh.links
     dims = _split_dims(strategy)
     shards = math.prod(mesh.shape[d] for d, _ in dims)
@@ -188,5 +271,7 @@ def exchange_bytes(lookup: Lookup, devices: int) -> dict[str, float]:
     results = lookup.result_bytes
     return {"allreduce": all_reduce_s(lookup.table_bytes, devices, UNIT_LINK),
             SPARSE_ALLGATHER: sparse_exchange_s(lookup, twin, flat),
+            **({TABLE_WISE: 2 * all_to_all_s(lookup.result_bytes, devices, UNIT_LINK)}
+               if lookup.pooled_bytes is not None else {}),
             "row_sharded": (all_gather_s(lookup.lookups * INDEX_BYTES, devices, UNIT_LINK)
                             + reduce_scatter_s(results, devices, UNIT_LINK) + all_gather_s(results, devices, UNIT_LINK))}

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 import autopar
@@ -18,6 +19,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
 from autopar.costing import communication_bytes
+from autopar.report import sparse_table
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
 
@@ -129,12 +131,25 @@ def test_golden_small_dense_like_table_stays_replicated():
     assert plan.parameters["emb.weight"].exchange in ("allreduce", "none")
 
 
-def test_dlrm_plan_picks_sparse_exchange_for_big_tables_and_beats_ddp():
+def test_dlrm_plan_places_big_tables_table_wise_and_beats_ddp():
+    """Bags of 16-wide rows: each big table whole on one device, its pooled bags sent in one
+    all-to-all (the latency paid once for all tables) — cheaper than exchanging touched rows
+    here; wider rows tip it to the sparse exchange. Tiny tables stay replicated."""
     model = models.DLRM(tables=(50000, 4096, 64, 16), dim=16, hidden=256)
     inputs = models.dlrm_inputs(model, batch=512)
-    plan = autopar.plan(model, inputs, cluster="4xcpu", pipeline=False, replicas=False)
-    assert plan.parameters["embeddings.0.weight"].exchange == "sparse_allgather"
-    assert plan.parameters["embeddings.3.weight"].exchange != "sparse_allgather"
+    plan = autopar.plan(model, inputs, cluster="4xcpu", mesh_shape=(4,), pipeline=False, replicas=False)
+    big = ["embeddings.0.weight", "embeddings.1.weight"]
+    assert [plan.parameters[t].exchange for t in big] == ["table_wise"] * 2
+    assert [plan.parameters[t].placement for t in big] == ["O"] * 2
+    assert sorted(plan.sparse[t]["owner"] for t in big) == [0, 1]  # one each: the all-to-all waits for the busiest
+    assert plan.parameters["embeddings.3.weight"].exchange not in ("table_wise", "sparse_allgather")
+    console = Console(width=220, record=True)
+    console.print(sparse_table(plan))  # what `autopar show` prints
+    assert "table_wise (device 0)" in console.export_text()
+    wide = models.DLRM(tables=(50000, 4096, 64, 16), dim=256, hidden=64)  # wide rows: touched rows exchanged
+    wide_plan = autopar.plan(wide, models.dlrm_inputs(wide, batch=512), cluster="4xcpu", mesh_shape=(4,),
+                             pipeline=False, replicas=False)
+    assert wide_plan.parameters["embeddings.0.weight"].exchange == "sparse_allgather"
     assert plan.predicted_step_s < plan.baselines["ddp"]["predicted_step_s"]
     again = autopar.Plan.from_json(plan.to_json())
     assert again.sparse == plan.sparse and again.parameters == plan.parameters
@@ -150,20 +165,25 @@ def test_dlrm_plan_picks_sparse_exchange_for_big_tables_and_beats_ddp():
     ids, pooled = 512 * 4 * 8, 512 * 16 * 4
     assert plan.sparse["embeddings.0.weight"]["bytes_per_step"]["row_sharded"] == pytest.approx(
         3 / 4 * (ids + 2 * pooled))
+    # table-wise: each device sends 1/n of the owners' (n−1)/n of the pooled bags, forward and back
+    assert plan.sparse["embeddings.0.weight"]["bytes_per_step"]["table_wise"] == pytest.approx(2 * 3 / 16 * pooled)
 
 
 # The big-table cases run in float64: a hot row gathers ~340 gradient contributions, and the
 # different summation order of the sparse exchange leaves float32 round-off of ~1e-4 there.
 BIG_DLRM = {"tables": (50000, 4096, 64, 16), "dim": 16, "hidden": 256}
 SPARSE_WORLD2 = [
-    ("DLRM", BIG_DLRM, "dlrm", 512, {"cluster": "2xcpu", "pipeline": False, "replicas": False}, "float64"),
+    ("DLRM", BIG_DLRM, "dlrm", 512, {"cluster": "2xcpu", "pipeline": False, "replicas": False}, "float64"),  # table-wise
+    ("DLRM", {**BIG_DLRM, "dim": 64}, "dlrm", 512, {"cluster": "2xcpu", "pipeline": False, "replicas": False},
+     "float64"),  # touched rows all-gathered
     ("DLRM", {}, "dlrm", 8, {"cluster": "2xH100", "memory_fraction": 0.6}),  # column-sharded tables
     ("DLRM", {"dim": 5}, "dlrm", 8, {"cluster": "2xH100", "memory_fraction": 0.6}),  # odd dim: row-sharded
 ]
 SPARSE_WORLD4 = [
-    ("DLRM", BIG_DLRM, "dlrm", 512, {"cluster": "4xcpu", "pipeline": False, "replicas": False}, "float64"),
+    ("DLRM", BIG_DLRM, "dlrm", 512, {"cluster": "4xcpu", "mesh_shape": (4,), "pipeline": False, "replicas": False},
+     "float64"),  # two tables table-wise on devices 0 and 1; 2 and 3 own none
     ("DLRM", BIG_DLRM, "dlrm", 512, {"cluster": "4xcpu", "mesh_shape": (2, 2), "pipeline": False,
-                                     "replicas": False}, "float64"),
+                                     "replicas": False}, "float64"),  # touched rows all-gathered over both dims
     ("DLRM", {}, "dlrm", 8, {"cluster": "4xH100", "memory_fraction": 0.6}),
     ("DLRM", {"dim": 6}, "dlrm", 8, {"cluster": "4xH100", "memory_fraction": 0.5}),  # rows on one dim, columns on the other
 ]
@@ -172,15 +192,13 @@ SPARSE_WORLD4 = [
 @pytest.mark.distributed
 def test_dlrm_equivalence_two_processes():
     exchanges = assert_equivalent(SPARSE_WORLD2, run_world(2, run_cases, SPARSE_WORLD2))
-    assert "sparse_allgather" in exchanges
-    assert {"row_sharded", "column_sharded"} <= exchanges, exchanges
+    assert {"table_wise", "sparse_allgather", "row_sharded", "column_sharded"} <= exchanges, exchanges
 
 
 @pytest.mark.distributed
 def test_dlrm_equivalence_four_processes_1d_and_2x2_mesh():
     exchanges = assert_equivalent(SPARSE_WORLD4, run_world(4, run_cases, SPARSE_WORLD4))
-    assert "sparse_allgather" in exchanges
-    assert {"row_sharded", "column_sharded"} <= exchanges, exchanges
+    assert {"table_wise", "sparse_allgather", "row_sharded", "column_sharded"} <= exchanges, exchanges
 
 
 _WAN_REGIONS = """# {world} CPU processes in two regions joined by a slow WAN link

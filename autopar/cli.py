@@ -375,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # files are written atomically at the end: nothing half-written exists
         print(f"autopar {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except ImportError as exc:  # Ctrl-C inside an extension's import (ortools') surfaces as this
+        if not isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+            raise
+        print(f"autopar {args.command}: interrupted; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -78,3 +78,22 @@ def test_cli_interrupted_while_planning_writes_nothing(tmp_path):
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "__pycache__") == ["bigmodel.py"]
     assert took < 10, took
+
+
+def test_cli_interrupted_inside_an_extension_import_says_interrupted(monkeypatch, capsys):
+    """Ctrl-C while a C extension initialises (ortools' solver, imported when planning
+    starts) surfaces as an ImportError raised from the KeyboardInterrupt: still an interrupt."""
+    from autopar import cli
+
+    def interrupted_import(args):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise ImportError("initialization failed") from exc
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(run=interrupted_import)
+    assert cli.main(["plan", "bigmodel:build", "--cluster", "2xcpu", "-o", "plan.json"]) == 130
+    assert "interrupted; nothing was written" in capsys.readouterr().err

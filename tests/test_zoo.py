@@ -33,7 +33,9 @@ def test_plans_on_one_and_two_hosts(name):
 
 # one training step per case at each world size; the rest of zoo.MODELS run in benchmarks/model_zoo.py
 EQUIVALENCE = {("transformers", 2): ("gpt2", "llama", "bert", "vit", "mixtral", "resnet", "convnext"),
-               ("transformers", 4): ("gpt2", "llama"),  # ConvNeXt at 4 ranks: timm's, below
+               # at 4 ranks: Llama (GPT-2's layout runs at 4 in test_equivalence's own GPT; CI time),
+               # ConvNeXt: timm's, below
+               ("transformers", 4): ("llama",),
                ("timm", 2): zoo.TIMM_MODELS, ("timm", 4): ("timm_resnet", "timm_convnext")}
 
 

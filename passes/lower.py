@@ -15,8 +15,8 @@ The emitted module is ``ExportedProgram.module()`` with
     ``rowwise_embedding`` for lookups in a table sharded by rows;
   * ``to_full`` on every output, so callers get plain full tensors.
 Gradients of parameters are brought to the parameter's placement when the backward pass ends
-(a replicated parameter's partial gradient is all-reduced once per step, in one flat buffer
-with the others, as DistributedDataParallel's buckets do).
+(passes.grad_sync: a replicated parameter's partial gradient is all-reduced once per step, in
+one flat buffer with the others, as DistributedDataParallel's buckets do).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.expert_order import Relabel, apply_relabel
-from autopar.passes.sparse import TABLE_WISE
+from autopar.passes.grad_sync import GradientSync
+from autopar.passes.sparse import POOLS, TABLE_WISE
 from autopar.passes.stack_experts import expert_members, owned_dim, owner
 
 MESH_ATTR = "_autopar_mesh"
@@ -205,62 +206,6 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     return placed
 
 
-def sync_grad(param: nn.Parameter) -> None:
-    """Bring an accumulated gradient (e.g. a partial sum) to the parameter's own placement."""
-    grad = param.grad
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
-
-
-def _bucket_dims(param: nn.Parameter) -> tuple[int, ...] | None:
-    """Mesh dims on which the gradient is a pending sum the parameter wants replicated, when
-    that is all that differs (an all-reduce of the local tensor finishes it); else None."""
-    grad = param.grad
-    if not isinstance(grad, DTensor) or not isinstance(param, DTensor):
-        return None
-    dims = []
-    for d, (have, want) in enumerate(zip(grad.placements, param.placements)):
-        if have == want:
-            continue
-        if not (have.is_partial() and getattr(have, "reduce_op", None) == "sum" and want.is_replicate()):
-            return None
-        dims.append(d)
-    return tuple(dims)
-
-
-def sync_grads(params: list[nn.Parameter]) -> None:
-    """:func:`sync_grad` for many parameters, with the pending sums that only need an
-    all-reduce flattened into one buffer per (mesh, mesh dims, dtype) — DDP's buckets, so a
-    step pays one collective latency instead of one per parameter. The rest (reduce-scatters
-    into a sharded parameter) are redistributed one by one."""
-    buckets: dict[tuple, list[nn.Parameter]] = {}
-    for param in params:
-        dims = _bucket_dims(param)
-        if dims is None:
-            sync_grad(param)
-        elif dims:
-            buckets.setdefault((id(param.device_mesh), dims, param.grad.dtype), []).append(param)
-    for (_, dims, _), members in buckets.items():
-        mesh = members[0].device_mesh
-        summed = all_reduce_flat([p.grad.to_local() for p in members], [mesh.get_group(d) for d in dims])
-        for param, part in zip(members, summed):
-            param.grad = DTensor.from_local(part, mesh, param.placements, run_check=False,
-                                            shape=param.shape, stride=param.stride())
-
-
-def all_reduce_flat(tensors: list[torch.Tensor], groups: list) -> list[torch.Tensor]:
-    """Sum same-dtype ``tensors`` over each process group in turn with one all-reduce per
-    group on a flat copy; returns views of the result shaped like the inputs."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    for group in groups:
-        dist.all_reduce(flat, group=group)
-    parts, offset = [], 0
-    for t in tensors:
-        parts.append(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return parts
-
-
 def group_meshes(groups: tuple, device_type: str) -> tuple[list[DeviceMesh], list[dist.ProcessGroup], int, int]:
     """Every group's DeviceMesh (pipeline stages, replicas: ``StagePlan``s) and every lane's
     process group (the k-th rank of every group). Every rank builds all of them, in the same
@@ -271,24 +216,6 @@ def group_meshes(groups: tuple, device_type: str) -> tuple[list[DeviceMesh], lis
     rank = dist.get_rank()
     mine = next(i for i, g in enumerate(groups) if rank in g.ranks)
     return meshes, lanes, mine, groups[mine].ranks.index(rank)
-
-
-class GradientSync:
-    """Synchronises gradients once per backward pass: each parameter reports when its gradient
-    is accumulated, and the first report queues :func:`sync_grads` to run when autograd's
-    engine finishes the pass (the callback DistributedDataParallel uses for its buckets)."""
-
-    def __init__(self) -> None:
-        self.pending: list[nn.Parameter] = []
-
-    def __call__(self, param: nn.Parameter) -> None:
-        if not self.pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        self.pending.append(param)
-
-    def flush(self) -> None:
-        pending, self.pending = self.pending, []
-        sync_grads(pending)
 
 
 def _owner(gm: nn.Module, fqn: str) -> tuple[nn.Module, str]:
@@ -401,7 +328,7 @@ def _pool_after(lookup: torch.fx.Node) -> torch.fx.Node | None:
         if user.target is runtime.redistribute:
             node = user
             continue
-        return user if user.target in (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim) else None
+        return user if user.target in POOLS else None
     return None
 
 

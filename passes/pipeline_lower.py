@@ -28,7 +28,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from autopar.plan import Plan
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
-from autopar.passes.lower import group_meshes, lower_module, owner_submeshes, sync_grads
+from autopar.passes.grad_sync import sync_grads
+from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"

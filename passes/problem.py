@@ -281,7 +281,7 @@ def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...
     ``regather`` (parameter edges): a sharded parameter gathered for use is gathered again for
     backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and a
     gradient that only needs all-reduces (a replicated parameter's partial sums) joins one
-    flat buffer with the others (passes.lower.sync_grads), so its latency term is dropped.
+    flat buffer with the others (passes.grad_sync.sync_grads), so its latency term is dropped.
     """
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import capture
-from autopar.passes.lower import all_reduce_flat, group_meshes, lower_module, owner_submeshes
+from autopar.passes.grad_sync import all_reduce_flat
+from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
 from autopar.passes.runtime import sum_touched_rows
 from autopar.passes.sparse import SPARSE_ALLGATHER
 

@@ -133,7 +133,7 @@ def annotate_lookups(captured: Captured, example_inputs=None, sparsity: dict[str
                            f"of this model; sparse tables: {', '.join(tables)}")
 
 
-_POOLS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
+POOLS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
 
 
 def _pooled_bytes(lookup: torch.fx.Node) -> int | None:
@@ -147,7 +147,7 @@ def _pooled_bytes(lookup: torch.fx.Node) -> int | None:
             continue
         dims = user.args[1] if len(user.args) > 1 else None
         rank = node.meta["val"].dim()
-        if user.target in _POOLS and dims and all(d % rank != rank - 1 for d in dims):
+        if user.target in POOLS and dims and all(d % rank != rank - 1 for d in dims):
             out = user.meta["val"]
             return out.numel() * out.element_size()
         return None
@@ -178,7 +178,7 @@ def pooling_of(lookup: torch.fx.Node) -> torch.fx.Node | None:
     if len(lookup.users) != 1:
         return None
     (user,) = lookup.users
-    if user.target not in _POOLS or user.kwargs or len(user.args) > 3 or (len(user.args) == 3 and user.args[2]):
+    if user.target not in POOLS or user.kwargs or len(user.args) > 3 or (len(user.args) == 3 and user.args[2]):
         return None
     dims, rank = (user.args[1] if len(user.args) > 1 else None), lookup.meta["val"].dim()
     if not dims or any(d % rank == rank - 1 for d in dims) or 0 in [d % rank for d in dims]:

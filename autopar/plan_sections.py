@@ -1,0 +1,143 @@
+"""The plan's sections for sparse tables and MoE layers (``Plan.sparse``, ``Plan.experts``):
+what each table's lookup and each expert group became under a solved placement, the
+table-wise tables' owners, and the expert load per device. They also name those
+parameters' ``exchange`` in the plan's parameter entries."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autopar.mesh import MeshSpec
+from autopar.plan import NodePlan, ParameterPlan, split_over
+from autopar.passes.capture import Captured
+from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
+from autopar.passes.sparse import LOOKUP_KEY, TABLE_WISE, exchange_bytes
+from autopar.passes.stack_experts import owned_dim
+
+
+def sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: dict[str, ParameterPlan],
+                   mesh: MeshSpec) -> dict[str, dict]:
+    """Each sparse table's access figures and bytes per step by exchange method; sets the
+    table's ``exchange`` to what its lookup chose (in ``parameters``, in place)."""
+    tables = {}
+    for node in captured.graph.nodes:
+        lookup = node.meta.get(LOOKUP_KEY)
+        if lookup is None or node.name not in nodes:
+            continue
+        chosen = nodes[node.name]
+        table = parameters[lookup.parameter]
+        placement = table.placement.split(",")
+        if chosen.exchange:
+            exchange = chosen.exchange
+        elif all(p == "R" for p in placement) and all(p == "R" for p in chosen.inputs[1].split(",")):
+            exchange = "none"  # every device looks up every index: the full gradient is already local
+        elif "S(0)" in placement:
+            exchange = "row_sharded"
+        elif "S(1)" in placement:
+            exchange = "column_sharded"
+        else:
+            exchange = table.exchange
+        parameters[lookup.parameter] = dataclasses.replace(table, exchange=exchange)
+        devices = math.prod(mesh.shape)
+        tables[lookup.parameter] = {
+            "rows": lookup.rows, "row_bytes": lookup.row_bytes, "lookups": lookup.lookups,
+            "touched_rows": lookup.touched_rows(devices), "density": lookup.touched_rows(devices) / lookup.rows,
+            "density_source": lookup.source, "exchange": exchange,
+            "bytes_per_step": exchange_bytes(lookup, devices)}
+        if exchange == TABLE_WISE:
+            tables[lookup.parameter]["pooled_bytes"] = lookup.result_bytes
+    for fqn, owner in table_owners(tables, parameters, mesh).items():
+        tables[fqn]["owner"] = owner
+    return tables
+
+
+def table_owners(tables: dict[str, dict], parameters: dict[str, ParameterPlan], mesh: MeshSpec) -> dict[str, int]:
+    """The device (coordinate on the mesh dim placed "O") that holds each table-wise table:
+    most pooled bytes first, each onto the device sending the fewest so far (the fused
+    all-to-all waits for the busiest sender), then holding the fewest table bytes — TorchRec's
+    greedy table-wise partitioner, by traffic first."""
+    owners: dict[str, int] = {}
+    by_dim: dict[int, list[str]] = {}
+    for fqn, table in tables.items():
+        if table["exchange"] == TABLE_WISE:
+            by_dim.setdefault(owned_dim(parameters[fqn].placement), []).append(fqn)
+    for dim, members in sorted(by_dim.items()):
+        sent, held = [0] * mesh.shape[dim], [0] * mesh.shape[dim]
+        for fqn in sorted(members, key=lambda f: (-tables[f]["pooled_bytes"], -parameters[f].bytes, f)):
+            k = min(range(mesh.shape[dim]), key=lambda k: (sent[k], held[k], k))
+            owners[fqn] = k
+            sent[k] += tables[fqn]["pooled_bytes"]
+            held[k] += parameters[fqn].bytes
+    return owners
+
+
+def expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],
+                   mesh: MeshSpec) -> dict[str, dict]:
+    """Each MoE layer's expert placement and load per device; names the expert weights'
+    ``exchange`` (in ``parameters``, in place)."""
+    layers = {}
+    groups = {id(g): g for n in captured.graph.nodes if (g := n.meta.get(EXPERTS_KEY)) is not None}
+    for group in groups.values():
+        if group.form == "module_list":
+            layers[group.module] = _module_list_layer(captured, group, parameters, nodes, mesh)
+            continue
+        for fqn in group.parameters:
+            exchange = _expert_exchange(parameters[fqn].placement)
+            if exchange is not None:
+                parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
+        layers[group.module] = _layer_load(group, parameters[group.parameters[0]].placement,
+                                           parameters[group.parameters[0]].exchange, mesh)
+    return layers
+
+
+def _module_list_layer(captured: Captured, group, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],
+                       mesh: MeshSpec) -> dict:
+    """A ModuleList's batched experts: placed as the stack of their weights is. Weights that
+    live on their owners ("O": expert parallel) get that ``exchange`` (in ``parameters``, in
+    place); the others keep theirs. Experts on their owners whose router can be relabelled
+    (passes.expert_order) go to the devices of the balanced order."""
+    placement = nodes[group.nodes[0]].outputs[0]
+    stacks = [n for n in captured.graph.nodes if n.name in group.nodes]
+    owned = True
+    for stack in stacks:
+        for weight in stack.args[0]:
+            fqn = captured.parameter_of[weight.name]
+            if owned_dim(parameters[fqn].placement) is not None:
+                parameters[fqn] = dataclasses.replace(parameters[fqn], exchange="expert_parallel")
+            else:
+                owned = False
+    layer = _layer_load(group, placement, _expert_exchange(placement) or "replicated", mesh)
+    if owned and group.relabel is not None and layer["order"] != sorted(layer["order"]):
+        layer["order_applied"] = True
+        layer["relabel"] = {"node": group.relabel.node, "kind": group.relabel.kind,
+                            "stacks": list(group.relabel.stacks)}
+    return layer
+
+
+def _expert_exchange(placement: str) -> str | None:
+    """How stacked expert weights placed ``placement`` are split: over the experts (dim 0),
+    inside each expert, or not at all (None)."""
+    split = placement.split(",")
+    if "S(0)" in split:
+        return "expert_parallel"
+    if any(p.startswith("S(") for p in split):
+        return "expert_tensor_parallel"
+    return None
+
+
+def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:
+    """The layer's plan entry: placement and tokens per device, in the model's expert order
+    and in the balanced one (advice: ``order_applied`` is False until the caller applies it)."""
+    expert_devices = split_over(placement, mesh.shape, 0)
+    load = group.load or (1,) * group.experts
+    divisible = group.experts % expert_devices == 0
+    order = balanced_order(load, expert_devices) if divisible else list(range(group.experts))
+    in_order = device_loads(load, list(range(group.experts)), expert_devices)
+    balanced = device_loads(load, order, expert_devices)
+    return {
+        "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
+        "form": group.form, "placement": placement, "exchange": exchange,
+        "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
+        "order": order, "order_applied": False, "device_load": balanced, "imbalance": imbalance(balanced),
+        "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}

@@ -175,8 +175,8 @@ class Plan:
     sparse: dict[str, dict[str, Any]] = field(default_factory=dict)
     # MoE layers (passes.experts): {module: {experts, top_k, parameters, placement, exchange,
     # expert_devices, load, load_source, order, order_applied (the experts live in that order;
-    # then also relabel: {node, kind, stacks}), device_load, imbalance, device_load_in_order,
-    # imbalance_in_order}}
+    # then also relabel: {node, kind, stacks, permuted} — passes.expert_order.Relabel), device_load,
+    # imbalance, device_load_in_order, imbalance_in_order}}
     experts: dict[str, dict[str, Any]] = field(default_factory=dict)
     # symbolic costs (passes.symbolic): {symbol, traced_batch, batch_inputs, step_s (sympy
     # text of the step time in the batch size), nodes: {name: {flops, bytes}}}; empty when the

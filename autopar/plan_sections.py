@@ -86,17 +86,29 @@ def expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], node
             exchange = _expert_exchange(parameters[fqn].placement)
             if exchange is not None:
                 parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
-        layers[group.module] = _layer_load(group, parameters[group.parameters[0]].placement,
-                                           parameters[group.parameters[0]].exchange, mesh)
+        layer = _layer_load(group, parameters[group.parameters[0]].placement,
+                            parameters[group.parameters[0]].exchange, mesh)
+        # split over the experts, with a router that can speak in slots: rows stored in the balanced order
+        if layer["exchange"] == "expert_parallel" and layer["expert_devices"] > 1:
+            _apply_order(layer, group)
+        layers[group.module] = layer
     return layers
+
+
+def _apply_order(layer: dict, group) -> None:
+    """Mark ``layer``'s balanced order as placed (lowering applies it) when its router can be
+    relabelled (passes.expert_order) and the order moves an expert."""
+    if group.relabel is not None and layer["order"] != sorted(layer["order"]):
+        layer["order_applied"] = True
+        layer["relabel"] = group.relabel.to_plan()
 
 
 def _module_list_layer(captured: Captured, group, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],
                        mesh: MeshSpec) -> dict:
     """A ModuleList's batched experts: placed as the stack of their weights is. Weights that
     live on their owners ("O": expert parallel) get that ``exchange`` (in ``parameters``, in
-    place); the others keep theirs. Experts on their owners whose router can be relabelled
-    (passes.expert_order) go to the devices of the balanced order."""
+    place); the others keep theirs. Experts on their owners go to the devices of the balanced
+    order (:func:`_apply_order`)."""
     placement = nodes[group.nodes[0]].outputs[0]
     stacks = [n for n in captured.graph.nodes if n.name in group.nodes]
     owned = True
@@ -108,10 +120,8 @@ def _module_list_layer(captured: Captured, group, parameters: dict[str, Paramete
             else:
                 owned = False
     layer = _layer_load(group, placement, _expert_exchange(placement) or "replicated", mesh)
-    if owned and group.relabel is not None and layer["order"] != sorted(layer["order"]):
-        layer["order_applied"] = True
-        layer["relabel"] = {"node": group.relabel.node, "kind": group.relabel.kind,
-                            "stacks": list(group.relabel.stacks)}
+    if owned:
+        _apply_order(layer, group)
     return layer
 
 

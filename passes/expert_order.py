@@ -1,13 +1,16 @@
-"""Put a ModuleList's experts on devices in a load-balancing order, not the model's.
+"""Put experts on devices in a load-balancing order, not the model's.
 
 Expert parallelism gives device d the experts of slots ``d·E/n … (d+1)·E/n − 1``. With a
 skewed router the model's own order can pile the busy experts on one device;
 passes.experts.balanced_order finds an order whose blocks carry even loads. Applying it is a
-relabelling of the experts: slot j computes expert ``order[j]``. For a ModuleList's batched
-experts (passes.stack_experts) two edits of the graph do it, and the parameters stay the
-model's own (each expert's weights move to the device of its slot, nothing is renamed):
+relabelling of the experts: slot j computes expert ``order[j]``. Two edits do it:
 
-  * every stack node of the experts' weights stacks them in slot order;
+  * the weights in slot order. A ModuleList's batched experts (passes.stack_experts): every
+    stack node of the experts' weights stacks them in slot order — the parameters stay the
+    model's own, each expert's weights move to the device of its slot. Stacked (E, ...)
+    weights: their rows are stored in slot order (``permuted``), so ``Shard(0)`` gives
+    device d the d-th block of the balanced order; ``runtime.full_value`` (and with it
+    ``ParallelModule.full_state_dict``) gives them back in the model's order;
   * the router speaks in slots: either its scores are permuted along the expert dim
     (``scores[..., order]``: everything derived from them — probabilities, top-k choices,
     one-hot dispatch, gates — then follows), or, when the scores themselves are used
@@ -16,7 +19,7 @@ model's own (each expert's weights move to the device of its slot, nothing is re
 
 Whether an edit keeps the model's function cannot be read off every router, so it is
 tested: the model is evaluated on the example inputs with the experts relabelled by a cyclic
-shift and must give the same outputs. The first point that passes is recorded on the group
+shift (stacked weights' rows shifted alike) and must give the same outputs. The first point that passes is recorded on the group
 (``ExpertGroup.relabel``); none passing (or no real values to test with) leaves the order
 as advice in the plan.
 """
@@ -38,27 +41,40 @@ _RELATIVE_TOLERANCE = 1e-4  # round-off of summing experts in another order; a w
 
 @dataclass(frozen=True)
 class Relabel:
-    """Where the router is made to speak in slots, and the stack nodes to reorder."""
+    """Where the router is made to speak in slots, the stack nodes to reorder and the stacked
+    parameters whose rows are stored in slot order."""
 
     node: str  # the router's scores (last dim = experts) or the top-k's chosen ids
     kind: str  # SCORES or IDS
     stacks: tuple[str, ...]
+    permuted: tuple[str, ...] = ()  # FQNs of stacked (E, ...) expert weights
+
+    def to_plan(self) -> dict:
+        """The plan's ``relabel`` entry of an MoE layer (plain JSON)."""
+        return {"node": self.node, "kind": self.kind, "stacks": list(self.stacks), "permuted": list(self.permuted)}
+
+    @classmethod
+    def from_plan(cls, entry: dict) -> "Relabel":
+        return cls(entry["node"], entry["kind"], tuple(entry["stacks"]), tuple(entry.get("permuted", ())))
 
 
 def find_relabel(graph: torch.fx.Graph, router: torch.fx.Node, stacks: tuple[str, ...],
-                 values: dict[str, torch.Tensor]) -> Relabel | None:
+                 values: dict[str, torch.Tensor], permuted: dict[str, str] | None = None) -> Relabel | None:
     """The first relabelling point that keeps the model's outputs on ``values`` (placeholder
-    name -> real tensor): the router's logits, the top-k's input, then the chosen ids."""
+    name -> real tensor): the router's logits, the top-k's input, then the chosen ids.
+    ``permuted``: placeholder -> FQN of the stacked expert weights stored in slot order."""
     experts = router.args[0].meta["val"].shape[-1]
     shift = [(e + 1) % experts for e in range(experts)]
+    permuted = permuted or {}
     reference = _outputs(graph, values)
-    if reference is None:
+    if reference is None or any(values.get(p) is None for p in permuted):
         return None
+    shifted = {**values, **{p: values[p][shift] for p in permuted}}
     for node, kind in _candidates(router):
-        relabel = Relabel(node.name, kind, stacks)
+        relabel = Relabel(node.name, kind, stacks, tuple(permuted.values()))
         copy = _copy(graph)
         apply_relabel(copy, relabel, shift)
-        outputs = _outputs(copy, values)
+        outputs = _outputs(copy, shifted)
         if outputs is not None and _same(reference, outputs):
             return relabel
     return None
@@ -75,7 +91,7 @@ def apply_relabel(graph: torch.fx.Graph, relabel: Relabel, order: list[int]) -> 
         weights = list(stack.args[0])
         stack.args = ([weights[e] for e in order], *stack.args[1:])
     point = by_name[relabel.node]
-    slots = order if relabel.kind == SCORES else inverse(order)
+    slots = order if relabel.kind == SCORES else runtime.inverse_order(order)
     with graph.inserting_after(point):
         moved = graph.call_function(runtime.relabel_experts, (point, slots, relabel.kind))
     moved.meta["val"] = point.meta.get("val")
@@ -83,14 +99,6 @@ def apply_relabel(graph: torch.fx.Graph, relabel: Relabel, order: list[int]) -> 
         if user is not moved:
             user.replace_input_with(point, moved)
     return True
-
-
-def inverse(order: list[int]) -> list[int]:
-    """slot of each expert: ``inverse(order)[order[j]] == j``."""
-    slots = [0] * len(order)
-    for j, e in enumerate(order):
-        slots[e] = j
-    return slots
 
 
 def _candidates(router: torch.fx.Node) -> list[tuple[torch.fx.Node, str]]:

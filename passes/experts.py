@@ -20,9 +20,9 @@ on the example inputs gives the tokens each expert receives. Expert parallelism 
 in contiguous blocks on devices; :func:`balanced_order` finds the order of experts (a
 relabelling: the router's outputs and the stacked weights permuted alike, which changes
 nothing in the model's function) whose contiguous blocks carry the most even load. A
-ModuleList's experts are placed in that order (passes.expert_order, when its check on the
-example inputs passes); a stacked (E, ...) parameter keeps the model's order — its rows are
-the user's tensor — and the order is advice in the plan.
+ModuleList's experts, and stacked (E, ...) weights (their rows stored in that order), are
+placed in that order when passes.expert_order's check on the example inputs passes; else the
+order is advice in the plan.
 
 Writes ``node.meta["autopar.experts"] = ExpertGroup(...)`` on the expert weights' placeholders.
 """
@@ -60,8 +60,8 @@ class ExpertGroup:
     # the E experts' weights of one name (``<module>.<e>.<name>``)
     form: str = "stacked"
     nodes: tuple[str, ...] = ()  # the graph nodes of the stacked weights (placeholders, or stack nodes)
-    # a ModuleList's experts whose router can be made to speak in slots (passes.expert_order):
-    # the planner may then place them in a balanced order; None: the order stays advice
+    # experts whose router can be made to speak in slots (passes.expert_order): the planner may
+    # then place them in a balanced order; None: the order stays advice
     relabel: Relabel | None = None
 
     @property
@@ -102,8 +102,11 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
                 load = tuple(int(c) for c in torch.bincount(chosen.reshape(-1).long(), minlength=experts))
         form = "module_list" if STACKED_KEY in weights[0].meta else "stacked"
         relabel = None
-        if form == "module_list" and load is not None and len(set(load)) > 1:
-            relabel = find_relabel(graph, router, tuple(w.name for w in weights), values)
+        if load is not None and len(set(load)) > 1:  # a skewed router: the order may be placed
+            if form == "module_list":
+                relabel = find_relabel(graph, router, tuple(w.name for w in weights), values)
+            else:
+                relabel = find_relabel(graph, router, (), values, {w.name: captured.parameter_of[w.name] for w in weights})
         group = ExpertGroup(module, tuple(_fqns(captured, w) for w in weights), experts,
                             int(router.args[1]) if router is not None else None, load, form,
                             tuple(w.name for w in weights), relabel)

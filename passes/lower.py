@@ -8,7 +8,8 @@ The emitted module is ``ExportedProgram.module()`` with
     does not give (these are the collectives of the plan, visible in ``pmodel.code``);
   * ``replicate_constant`` after factory ops, ``local_call`` for ops with no DTensor rule;
   * ``relabel_experts`` after a router whose experts are placed in a balanced order
-    (passes.expert_order; their stacks then list the experts in that order);
+    (passes.expert_order; their stacks then list the experts in that order, stacked expert
+    weights hold their rows in that order);
   * ``table_wise_lookups`` for lookups in tables that live whole on one device (table-wise):
     every owner pools its tables' bags, one all-to-all for all of them;
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
@@ -65,12 +66,23 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     needed where not every rank lowers this mesh (pipeline stages)."""
     _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate, owner_meshes)
     setattr(gm, MESH_ATTR, mesh)
-    for layer in plan.experts.values():
-        if layer.get("order_applied"):
-            relabel = layer["relabel"]
-            apply_relabel(gm.graph, Relabel(relabel["node"], relabel["kind"], tuple(relabel["stacks"])), layer["order"])
+    _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
     gm.recompile()
+
+
+def _relabel_experts(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    """Routers of experts placed in a balanced order speak in slots (passes.expert_order)."""
+    held = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    for module, layer in plan.experts.items():
+        if not layer.get("order_applied"):
+            continue
+        relabel = Relabel.from_plan(layer["relabel"])
+        if not apply_relabel(gm.graph, relabel, layer["order"]) and held & set(relabel.permuted):
+            raise AutoparError(ErrorKind.BAD_PLAN,
+                               f"MoE layer {module}: its experts' weights are stored in the balanced order, but "
+                               f"this graph lacks the router node {relabel.node} that must follow that order (a "
+                               "pipeline stage cut between them?); re-plan this model")
 
 
 def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, model: nn.Module,
@@ -106,6 +118,8 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
         if owned_dim(pplan.placement) is not None:
             setattr(param, runtime.OWNED_ATTR, placer.owned(fqn, pplan.placement))
+        if fqn in placer.row_orders:
+            setattr(param, runtime.ROW_ORDER_ATTR, placer.row_orders[fqn])
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
         if sync_on_accumulate:
@@ -131,10 +145,15 @@ class _Placer:
                  owner_meshes: dict[int, list[DeviceMesh]] | None = None) -> None:
         self.mesh = mesh
         members = expert_members(captured.graph)
-        for layer in plan.experts.values():  # experts placed in a balanced order: expert e in slot order.index(e)
+        # experts placed in a balanced order: expert e in slot order.index(e) — a ModuleList's
+        # expert on that slot's owner, a stacked weight's row e stored at that row
+        self.row_orders: dict[str, list[int]] = {}
+        for layer in plan.experts.values():
             if layer.get("order_applied"):
-                slot = {e: j for j, e in enumerate(layer["order"])}
-                for name in {w.name for n in captured.graph.nodes if n.name in layer["relabel"]["stacks"]
+                relabel = Relabel.from_plan(layer["relabel"])
+                self.row_orders.update({fqn: layer["order"] for fqn in relabel.permuted})
+                slot = runtime.inverse_order(layer["order"])
+                for name in {w.name for n in captured.graph.nodes if n.name in relabel.stacks
                              for w in n.args[0]} & members.keys():
                     expert, experts = members[name]
                     members[name] = (slot[expert], experts)
@@ -143,6 +162,8 @@ class _Placer:
         self.submeshes = dict(owner_meshes or {})
 
     def __call__(self, fqn: str, full: torch.Tensor, placement: str) -> DTensor:
+        if fqn in self.row_orders:
+            full = full[self.row_orders[fqn]]
         dim = owned_dim(placement)
         if dim is None:
             return distribute_tensor(full, self.mesh, runtime.placements(placement))

@@ -167,6 +167,9 @@ def all_gather_rows(rows: torch.Tensor, values: torch.Tensor, group) -> tuple[to
 # on an expert weight that lives on its owner's sub-mesh: (the mesh it is planned on, the mesh
 # dim placed "O", the owner's coordinate on that dim)
 OWNED_ATTR = "_autopar_owned"
+# on stacked (E, ...) expert weights stored in a balanced order (passes.expert_order): the
+# order, row j holding expert ``order[j]``
+ROW_ORDER_ATTR = "_autopar_row_order"
 
 
 def stack_owned(weights: list[DTensor], mesh, spec: str) -> DTensor:
@@ -182,14 +185,19 @@ def stack_owned(weights: list[DTensor], mesh, spec: str) -> DTensor:
 
 
 def full_value(param: torch.Tensor, grad: bool = False) -> torch.Tensor | None:
-    """The whole parameter (or its gradient) on every rank of its mesh: a DTensor gathered, an
-    expert weight that lives on its owner sent from there. Collective: every rank of the mesh
-    calls it, in the same order."""
+    """The whole parameter (or its gradient) on every rank of its mesh, in the model's layout:
+    a DTensor gathered, an expert weight that lives on its owner sent from there, stacked
+    experts stored in a balanced order put back in the model's. Collective: every rank of the
+    mesh calls it, in the same order."""
     value = param.grad if grad else param
     if not isinstance(param, DTensor):
         return value
     if not hasattr(param, OWNED_ATTR):
-        return value.full_tensor() if isinstance(value, DTensor) else value
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        order = getattr(param, ROW_ORDER_ATTR, None)
+        if order is None or full is None:
+            return full
+        return full[inverse_order(order)]
     mesh, dim, owner = getattr(param, OWNED_ATTR)
     held = param.device_mesh.get_coordinate() is not None
     full = value.full_tensor() if held and isinstance(value, DTensor) else None
@@ -198,6 +206,14 @@ def full_value(param: torch.Tensor, grad: bool = False) -> torch.Tensor | None:
     box = [full.detach() if full is not None else None]
     dist.broadcast_object_list(box, src=int(mesh.mesh[tuple(coordinate)]), group=mesh.get_group(dim))
     return box[0]
+
+
+def inverse_order(order: list[int]) -> list[int]:
+    """The slot of each expert: ``inverse_order(order)[order[j]] == j``."""
+    slots = [0] * len(order)
+    for j, e in enumerate(order):
+        slots[e] = j
+    return slots
 
 
 def relabel_experts(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tensor:

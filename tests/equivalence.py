@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 import models
-from autopar.passes.runtime import OWNED_ATTR, full_value
+from autopar.passes.runtime import OWNED_ATTR, ROW_ORDER_ATTR, full_value
 
 
 def _full(t):
@@ -100,6 +100,14 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["orders_applied"] = {module: layer["order"] for module, layer in pmodel.plan.experts.items()
                                 if layer.get("order_applied")}
     errors["relabels"] = [line.strip() for line in pmodel.code.splitlines() if "relabel_experts(" in line]
+    # stacked experts stored in a balanced order: the rows as stored (slot j: expert order[j])
+    # against the reference's rows in that order
+    errors["row_orders"] = {}
+    for name, p in params.items():
+        order = getattr(p, ROW_ORDER_ATTR, None)
+        if order is not None:
+            stored = _full(p.detach())
+            errors["row_orders"][name] = (order, (stored - ref_params[name].detach()[order]).abs().max().item())
     return errors
 
 

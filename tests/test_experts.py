@@ -150,6 +150,26 @@ def test_plan_names_expert_parallelism_and_reports_the_load():
     assert autopar.Plan.from_json(plan.to_json()).experts == plan.experts
 
 
+def test_stacked_experts_rows_are_placed_in_the_balanced_order():
+    """Stacked (E, ...) weights split over the experts, behind a skewed router: the plan places
+    the balanced order (their rows stored in it, the router's logits relabelled), not advice."""
+    torch.manual_seed(0)
+    model = models.MoEGPT(d=32, hidden=256, experts=8, skew=1.0)
+    tokens = (torch.randint(0, 64, (8, 8)),)
+    ample = autopar.plan(model, tokens, cluster="2xH100", pipeline=False, replicas=False)
+    plan = autopar.plan(model, tokens, cluster="2xH100", pipeline=False, replicas=False,
+                        memory_limit=int(0.6 * ample.memory.total_bytes))
+    for module, layer in plan.experts.items():
+        assert layer["exchange"] == "expert_parallel" and layer["order_applied"], layer
+        assert layer["relabel"]["permuted"] == [f"{module}.w_in", f"{module}.w_out"] and not layer["relabel"]["stacks"]
+        assert layer["relabel"]["kind"] == "scores"
+        assert layer["imbalance"] < layer["imbalance_in_order"] and layer["imbalance"] <= 1.1, layer
+    assert autopar.Plan.from_json(plan.to_json()).experts == plan.experts
+    console = Console(width=200, record=True)
+    console.print(experts_table(plan))
+    assert "(placed)" in console.export_text() and "(advice)" not in console.export_text()
+
+
 def test_plan_reports_module_list_experts_with_their_load():
     torch.manual_seed(0)
     model = models.MoEGPT(d=32, hidden=256, experts=8, module_list=True)
@@ -174,9 +194,9 @@ def test_plan_reports_module_list_experts_with_their_load():
     assert step == pytest.approx(plan.predicted_step_s, rel=1e-9)
 
 
-MOE_WORLD2 = [
-    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8}, "tokens", 8, {"cluster": "2xH100", "memory_fraction": 0.6},
-     "float64"),
+MOE_WORLD2 = [  # stacked experts split over the experts, a skewed router: their rows stored in a balanced order
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "skew": 1.0}, "tokens", 8,
+     {"cluster": "2xH100", "memory_fraction": 0.6}, "float64"),
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True, "skew": 1.0}, "tokens", 8,
      {"cluster": "2xcpu"}, "float64"),  # ModuleList experts, each on its owner (expert parallel), a skewed
     # router: the experts go to their owners in a balanced order
@@ -217,11 +237,23 @@ def _assert_owners_follow_orders(result: dict, devices: int) -> None:
             assert owners == {order.index(e) // per}, (module, e, order, owners)
 
 
+def _assert_rows_follow_orders(result: dict) -> None:
+    """Stacked expert weights hold their rows in the balanced order (so ``Shard(0)`` gives each
+    device its block of it), and give them back in the model's order."""
+    orders = result["orders_applied"]
+    assert orders and all(order != sorted(order) for order in orders.values()), orders
+    stored = result["row_orders"]
+    assert {name.rsplit(".", 1)[0] for name in stored} == set(orders), (stored, orders)
+    for name, (order, error) in stored.items():
+        assert order == orders[name.rsplit(".", 1)[0]] and error < 1e-9, (name, order, error)
+
+
 @pytest.mark.distributed
 def test_moe_equivalence_two_processes():
     results = run_world(2, run_cases, MOE_WORLD2)
     exchanges = assert_equivalent(MOE_WORLD2, results, _bound)
     assert "expert_parallel" in exchanges, exchanges
+    _assert_rows_follow_orders(results[0])
     _assert_owners_follow_orders(results[1], 2)
     _assert_owners_follow_orders(results[3], 2)
     assert all("'ids')" in line for line in results[3]["relabels"]), results[3]["relabels"]  # not the scores

@@ -14,6 +14,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, checked_mesh
 from autopar.plan import Plan, placement_text
 from autopar.problem import ShardingProblem
+from autopar.passes.expert_dispatch import add_expert_dispatch
 from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
@@ -71,6 +72,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     add_sparse_exchange(captured.graph)
     add_table_wise(captured.graph, mesh.shape)
     add_owned_stacks(captured.graph, mesh.shape)
+    add_expert_dispatch(captured.graph, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic)
     choice = []

@@ -176,7 +176,9 @@ class Plan:
     # MoE layers (passes.experts): {module: {experts, top_k, parameters, placement, exchange,
     # expert_devices, load, load_source, order, order_applied (the experts live in that order;
     # then also relabel: {node, kind, stacks, permuted} — passes.expert_order.Relabel), device_load,
-    # imbalance, device_load_in_order, imbalance_in_order}}
+    # imbalance, device_load_in_order, imbalance_in_order, and for experts gathered per token whose
+    # rows go to their owners dispatch: {dim, ids, gathers, segment, inputs, row_inputs, outputs,
+    # rows, experts} — passes.expert_dispatch.Dispatch}}
     experts: dict[str, dict[str, Any]] = field(default_factory=dict)
     # symbolic costs (passes.symbolic): {symbol, traced_batch, batch_inputs, step_s (sympy
     # text of the step time in the batch size), nodes: {name: {flops, bytes}}}; empty when the

@@ -12,6 +12,7 @@ from autopar.mesh import MeshSpec
 from autopar.plan import NodePlan, ParameterPlan, split_over
 from autopar.passes.capture import Captured
 from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
+from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED
 from autopar.passes.sparse import LOOKUP_KEY, TABLE_WISE, exchange_bytes
 from autopar.passes.stack_experts import owned_dim
 
@@ -88,11 +89,26 @@ def expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], node
                 parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
         layer = _layer_load(group, parameters[group.parameters[0]].placement,
                             parameters[group.parameters[0]].exchange, mesh)
+        dispatch = _dispatch_of(captured, group, nodes)
+        if dispatch is not None:  # experts gathered per token, their rows sent to the owners
+            layer["dispatch"] = dispatch
         # split over the experts, with a router that can speak in slots: rows stored in the balanced order
         if layer["exchange"] == "expert_parallel" and layer["expert_devices"] > 1:
             _apply_order(layer, group)
         layers[group.module] = layer
     return layers
+
+
+def _dispatch_of(captured: Captured, group, nodes: dict[str, NodePlan]) -> dict | None:
+    """The plan's ``dispatch`` entry of a layer whose gathered experts' rows go to their owners
+    (passes.expert_dispatch), or None."""
+    for node in captured.graph.nodes:
+        dispatch = node.meta.get(DISPATCH_KEY)
+        if dispatch is not None and set(dispatch.weights) <= set(group.nodes) and node.name in nodes:
+            chosen = nodes[node.name].outputs[0].split(",")
+            if DISPATCHED in chosen:
+                return dispatch.to_plan(chosen.index(DISPATCHED))
+    return None
 
 
 def _apply_order(layer: dict, group) -> None:

@@ -22,6 +22,7 @@ from autopar.plan_sections import expert_layers, sparse_tables
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
+from autopar.passes.expert_dispatch import add_expert_dispatch
 from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
@@ -66,6 +67,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
         add_sparse_exchange(captured.graph)
         add_table_wise(captured.graph, mesh.shape)
         add_owned_stacks(captured.graph, mesh.shape)
+        add_expert_dispatch(captured.graph, mesh.shape)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated, activation_copies)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))

@@ -5,8 +5,8 @@ Experts are found in their grouped form (GShard, Switch, Megablocks' grouped GEM
 parameter of three or more dims whose dim 0 counts the experts and which reaches a batched
 matmul (``bmm``, what ``einsum("egcd,edh->egch")`` exports to) through reshapes only — or
 through a per-token gather of experts (``weight[ids]``, transformers' "batched_mm" Mixtral;
-there DTensor has no rule splitting the gathered dim, so the ILP can only shard inside
-experts or replicate them). The
+DTensor has no rule splitting the gathered dim: passes.expert_dispatch sends the rows to
+their experts' owners instead). The
 sharding ILP then already holds the three choices the MoE literature weighs: expert
 parallelism (the weights ``Shard(0)`` over experts, tokens moved to their experts by an
 all-to-all — DTensor's ``Shard(g) -> Shard(e)`` redistribute), expert-internal tensor
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.passes.capture import Captured
+from autopar.passes.expert_dispatch import annotate_dispatches
 from autopar.passes.expert_order import Relabel, find_relabel
 from autopar.passes.stack_experts import STACKED_KEY
 from autopar.passes.values import evaluate, real_values
@@ -113,6 +114,12 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
         for w in weights:
             w.meta[EXPERTS_KEY] = group
         groups.append(group)
+    # experts gathered per token: the region their owners can run (passes.expert_dispatch)
+    stacked = {w: g for g in groups if g.form == "stacked" for w in g.nodes}
+    if stacked:
+        if values is None and example_inputs is not None:
+            values = real_values(captured, example_inputs, parameters=True)
+        annotate_dispatches(graph, stacked, values, memo)
     return groups
 
 

@@ -10,6 +10,8 @@ The emitted module is ``ExportedProgram.module()`` with
   * ``relabel_experts`` after a router whose experts are placed in a balanced order
     (passes.expert_order; their stacks then list the experts in that order, stacked expert
     weights hold their rows in that order);
+  * ``dispatch_experts`` for experts gathered per token whose rows go to their owners
+    (passes.expert_dispatch: the region they run through becomes one call);
   * ``table_wise_lookups`` for lookups in tables that live whole on one device (table-wise):
     every owner pools its tables' bags, one all-to-all for all of them;
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
@@ -37,6 +39,7 @@ from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
+from autopar.passes.expert_dispatch import DISPATCHED, Dispatch, segment_module
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.grad_sync import GradientSync
 from autopar.passes.sparse import POOLS, TABLE_WISE
@@ -257,6 +260,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
         produced[new.name] = planned
     replicated = ",".join(["R"] * len(plan.mesh_shape))
+    _fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.name != mesh_node.name:
@@ -315,6 +319,52 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             full = graph.call_function(runtime.to_full, (arg,))
         out.replace_input_with(arg, full)
     graph.lint()
+
+
+def _fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.Node, produced: dict) -> None:
+    """Replace each MoE layer's dispatched segment (experts gathered per token whose rows go to
+    their owners, passes.expert_dispatch) by one ``runtime.dispatch_experts`` call: the
+    segment becomes a submodule the call runs on the owners."""
+    graph = gm.graph
+    for k, (module, layer) in enumerate(sorted(plan.experts.items())):
+        entry = layer.get("dispatch")
+        if not entry:
+            continue
+        by_name = {n.name: n for n in graph.nodes}
+        present = [name for name in entry["segment"] if name in by_name]
+        if not present:
+            continue  # a pipeline stage without this layer
+        if len(present) != len(entry["segment"]) or entry["ids"] not in by_name:
+            raise AutoparError(ErrorKind.BAD_PLAN, f"MoE layer {module}: the nodes its experts' rows run through on "
+                               "their owners are not all in this graph (a pipeline stage cut between them?); "
+                               "re-plan this model")
+        dispatch = Dispatch.from_plan(entry)
+        segment = segment_module(graph, dispatch)
+        attr = f"_autopar_dispatch_{k}"
+        setattr(gm, attr, segment)
+        ids, inputs = by_name[dispatch.ids], [by_name[name] for name in dispatch.inputs]
+        weights = [by_name[g].args[0] for g in dispatch.gathers]
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        last = max([ids, *inputs, *weights], key=position.get)
+        row_spec = ",".join("S(0)" if p == DISPATCHED else p for p in plan.nodes[dispatch.ids].outputs[0].split(","))
+        out_specs = [plan.nodes[name].outputs[0] for name in dispatch.outputs]
+        with graph.inserting_after(last), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            segment_node = graph.get_attr(attr)
+        with graph.inserting_after(segment_node):
+            fused = graph.call_function(runtime.dispatch_experts, (
+                segment_node, mesh_node, entry["dim"], dispatch.experts, ids, inputs, list(dispatch.row_inputs),
+                weights, [plan.nodes[g].inputs[0] for g in dispatch.gathers], row_spec, out_specs))
+        anchor = fused
+        for t, name in enumerate(dispatch.outputs):
+            with graph.inserting_after(anchor):
+                result = graph.call_function(operator.getitem, (fused, t))
+            result.meta["val"] = by_name[name].meta.get("val")
+            by_name[name].replace_all_uses_with(result)
+            produced[result.name] = out_specs[t]
+            anchor = result
+        for name in reversed(dispatch.segment):
+            graph.erase_node(by_name[name])
 
 
 def _fuse_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node, lookups: list[torch.fx.Node]) -> None:
@@ -389,7 +439,7 @@ def _emit_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, runtime.relabel_experts,
-                  runtime.table_wise_lookups}
+                  runtime.table_wise_lookups, runtime.dispatch_experts}
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -37,6 +37,7 @@ from autopar.mesh import MeshSpec
 from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
+from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED, EXPERT_DISPATCH, dispatch_s
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.sparse import LOOKUP_KEY, UNIT_LINK, owned_table_options, sparse_exchange_s, table_wise_tables
 from autopar.passes.stack_experts import OWNED, expert_members, owned_leaf_options
@@ -104,8 +105,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             factor = 3 if node.name in grad_nodes else 1
             op_cost = node.meta[COST_KEY]
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
-            cost = [factor * timed.time_s(device, work_split(s, mesh.shape))
-                    + (sparse_exchange_s(node.meta[LOOKUP_KEY], s, mesh) if s.exchange else 0.0) for s in options]
+            cost = [factor * timed.time_s(device, work_split(s, mesh.shape)) + _exchange_s(node, s, mesh, device)
+                    for s in options]
             outs = output_vals(node)
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else activation_copies * sum(
@@ -168,6 +169,13 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback)
 
 
+def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device: DeviceSpec | None) -> float:
+    """Communication a strategy makes itself: a lookup's sparse exchange, an expert dispatch."""
+    if strategy.exchange == EXPERT_DISPATCH:
+        return dispatch_s(node, strategy, mesh, device)
+    return sparse_exchange_s(node.meta[LOOKUP_KEY], strategy, mesh) if strategy.exchange else 0.0
+
+
 def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
     if node.target is operator.getitem:
         return [(node.args[0], node.args[1])]
@@ -183,8 +191,9 @@ def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Str
 
 
 def _shards(placement: tuple[str, ...], mesh_shape: tuple[int, ...]) -> int:
-    """Devices a tensor's bytes are divided over ("O": each expert's weight on one of them)."""
-    return math.prod(size for p, size in zip(placement, mesh_shape) if p.startswith("S(") or p == OWNED)
+    """Devices a tensor's bytes are divided over ("O": each expert's weight on one of them; "D":
+    rows split, as by "S(0)")."""
+    return math.prod(size for p, size in zip(placement, mesh_shape) if p.startswith("S(") or p in (OWNED, DISPATCHED))
 
 
 def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
@@ -230,7 +239,7 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
     src_keys = [s.outputs[out_index] for s in src_options]
-    dst_keys = [(t.inputs[arg], _split_mask(t) if not (t.exchange and arg == 0) else ()) for t in dst_options]
+    dst_keys = [(t.inputs[arg], _split_mask(t) if not (_syncs_table(t) and arg == 0) else ()) for t in dst_options]
     src_classes = sorted(set(src_keys))
     dst_classes = sorted(set(dst_keys))
     accepted = {v for v, _ in dst_classes}
@@ -255,12 +264,20 @@ def lookup_exchange_s(captured: Captured, problem: ShardingProblem, index: Probl
     """Time of the sparse row exchanges the chosen lookup strategies make, every copy of a
     repeated node counted (on :func:`unit_links` meshes: the bytes one device sends)."""
     lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
+    dispatches = {n.name: n for n in captured.graph.nodes if DISPATCH_KEY in n.meta}
     total = 0.0
     for q, name in enumerate(index.names):
         strategy = index.strategies[q][choice[q]]
         if strategy.exchange and name in lookups:
             total += problem.count(q) * sparse_exchange_s(lookups[name], strategy, mesh)
+        elif strategy.exchange and name in dispatches:
+            total += problem.count(q) * dispatch_s(dispatches[name], strategy, mesh, None)
     return total
+
+
+def _syncs_table(strategy: Strategy) -> bool:
+    """A lookup twin that brings its table's gradient where it belongs itself."""
+    return bool(strategy.exchange) and strategy.exchange != EXPERT_DISPATCH
 
 
 def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
@@ -286,7 +303,7 @@ def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
         return forward
-    grad = tuple(b if b.startswith("S(") or b == OWNED else ("P" if split and split[d] and b == "R" else "R")
+    grad = tuple(b if b.startswith("S(") or b in (OWNED, DISPATCHED) else ("P" if split and split[d] and b == "R" else "R")
                  for d, b in enumerate(dst))
     want = tuple("R" if a.startswith("P") else a for a in src)
     bucketed = regather and all(g == w or (g == "P" and w == "R") for g, w in zip(grad, want))
@@ -318,8 +335,8 @@ def _sequential_s(src: tuple[str, ...], dst: tuple[str, ...], nbytes: int, mesh:
 def _transition_s(a: str, b: str, nbytes: float, n: int, link) -> float | None:
     if a == b:
         return 0.0
-    if OWNED in (a, b):
-        return None  # an owned expert weight only feeds its stack
+    if OWNED in (a, b) or DISPATCHED in (a, b):
+        return None  # an owned expert weight only feeds its stack; dispatched ids only their gathers
     if a == "R" and b in ("R", "P") or a == "R" and b.startswith("S("):
         return 0.0  # local: slice, or keep the value on one rank and zeros elsewhere (R→P)
     if b.startswith("P"):

@@ -100,6 +100,7 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["orders_applied"] = {module: layer["order"] for module, layer in pmodel.plan.experts.items()
                                 if layer.get("order_applied")}
     errors["relabels"] = [line.strip() for line in pmodel.code.splitlines() if "relabel_experts(" in line]
+    errors["dispatches"] = pmodel.code.count("dispatch_experts(")  # experts gathered per token, rows sent to owners
     # stacked experts stored in a balanced order: the rows as stored (slot j: expert order[j])
     # against the reference's rows in that order
     errors["row_orders"] = {}

@@ -160,6 +160,38 @@ class DenseRoutedMoE(nn.Module):
         return out + probs[:, :1] if self.expose else out
 
 
+class GatheredMoE(nn.Module):
+    """Experts gathered per token, as transformers' Mixtral does with its "batched_mm"
+    experts: every (token, choice) row takes a copy of its expert's weights (``w[ids]``) and
+    is multiplied on its own (``bmm``); SwiGLU experts, top-k gates renormalised, a residual.
+    ``skew`` > 0 biases the router towards the first experts; ``mix_rows`` centres the hidden
+    rows over all rows (each row then depends on the others)."""
+
+    def __init__(self, d: int = 32, hidden: int = 64, experts: int = 8, top_k: int = 2, skew: float = 0.0,
+                 mix_rows: bool = False) -> None:
+        super().__init__()
+        self.top_k, self.mix_rows = top_k, mix_rows
+        self.router = nn.Linear(d, experts, bias=skew > 0)
+        if skew > 0:
+            with torch.no_grad():
+                self.router.bias.copy_(skew * torch.linspace(1, -1, experts))
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * hidden, d) * d ** -0.5)
+        self.down = nn.Parameter(torch.randn(experts, d, hidden) * hidden ** -0.5)
+
+    def forward(self, x):  # (T, d)
+        weights, chosen = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        rows = x.repeat_interleave(self.top_k, dim=0)  # one row per (token, choice)
+        ids = chosen.reshape(-1)
+        gate, up = torch.bmm(self.gate_up[ids], rows.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        if self.mix_rows:
+            hidden = hidden - hidden.mean(0)
+        out = torch.bmm(self.down[ids], hidden.unsqueeze(-1)).squeeze(-1)
+        out = out * weights.reshape(-1, 1)
+        return x + out.view(x.shape[0], self.top_k, -1).sum(1)
+
+
 class MoEBlock(Block):
     """Pre-norm transformer block whose feed-forward is a mixture of experts."""
 

@@ -15,6 +15,7 @@ import models
 from autopar.cluster import Cluster
 from autopar.costing import recost
 from autopar.passes.capture import capture
+from autopar.passes.expert_dispatch import DISPATCH_KEY
 from autopar.passes.experts import annotate_experts, balanced_order, device_loads, imbalance
 from autopar.passes.stack_experts import STACKED_KEY
 from autopar.report import experts_table
@@ -212,6 +213,10 @@ MOE_WORLD4 = [  # experts over one mesh dim and their hidden dim over the other;
      {"cluster": "4xH100", "mesh_shape": (4,), "memory_fraction": 0.6}, "float64"),
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 4, "module_list": True}, "tokens", 8,
      {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.5}, "float64"),
+    # gathered experts' rows dispatched over one mesh dim, the weights split on the other too
+    # (gathered for use, gradients reduce-scattered back)
+    ("GatheredMoE", {"d": 128, "hidden": 16, "skew": 1.0}, "vec:128", 128,
+     {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.8}, "float64"),
 ]
 
 
@@ -243,9 +248,12 @@ def _assert_rows_follow_orders(result: dict) -> None:
     orders = result["orders_applied"]
     assert orders and all(order != sorted(order) for order in orders.values()), orders
     stored = result["row_orders"]
-    assert {name.rsplit(".", 1)[0] for name in stored} == set(orders), (stored, orders)
+
+    def module(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else ""
+    assert {module(name) for name in stored} == set(orders), (stored, orders)
     for name, (order, error) in stored.items():
-        assert order == orders[name.rsplit(".", 1)[0]] and error < 1e-9, (name, order, error)
+        assert order == orders[module(name)] and error < 1e-9, (name, order, error)
 
 
 @pytest.mark.distributed
@@ -265,6 +273,8 @@ def test_moe_equivalence_four_processes_1d_and_2x2_mesh():
     exchanges = assert_equivalent(MOE_WORLD4, results, _bound)
     assert {"expert_parallel", "expert_tensor_parallel"} <= exchanges, exchanges
     _assert_owners_follow_orders(results[2], 2)  # 4 experts over the mesh dim of 2 placed "O"
+    assert results[3]["dispatches"] == 1, results[3]
+    _assert_rows_follow_orders(results[3])
 
 
 def test_transformers_mixtral_experts_and_router_load_are_found():
@@ -281,6 +291,43 @@ def test_transformers_mixtral_experts_and_router_load_are_found():
     assert all(g.load_source == "inputs" and sum(g.load) == 2 * tokens for g in groups)
     plan = autopar.plan(model, inputs, cluster="2xH100", pipeline=False, replicas=False)
     assert set(plan.experts) == {g.module for g in groups}
+
+
+def test_gathered_experts_run_on_their_owners_when_memory_is_short():
+    """Experts gathered per token ("batched_mm"): the region from the gathers to the routing
+    weights' product runs on the experts' owners; with memory to spare the experts are
+    replicated, when it is short the plan dispatches the rows over one mesh dim (expert
+    parallel; on tiny layers the all-to-alls' latency makes expert-internal TP the cheaper
+    split, so the case is sized where moving rows beats all-reducing them), and the order of
+    the experts is placed."""
+    torch.manual_seed(0)
+    model, x = models.GatheredMoE(d=128, hidden=16, experts=8, skew=1.0), torch.randn(128, 128)
+    captured = capture(model, (x,))
+    annotate_experts(captured, (x,))
+    (dispatch,) = [n.meta[DISPATCH_KEY] for n in captured.graph.nodes if DISPATCH_KEY in n.meta]
+    assert len(dispatch.gathers) == 2 and dispatch.rows == 256 and dispatch.experts == 8
+    assert any(dispatch.row_inputs) and len(dispatch.outputs) == 1  # the rows in; the weighted rows out
+    options = {"cluster": "4xH100", "mesh_shape": (2, 2), "pipeline": False, "replicas": False}
+    ample = autopar.plan(model, (x,), **options)
+    assert "dispatch" not in ample.experts[""]  # memory to spare: replicated experts need no exchange
+    plan = autopar.plan(model, (x,), **options, memory_limit=int(0.8 * ample.memory.total_bytes))
+    layer = plan.experts[""]
+    assert layer["exchange"] == "expert_parallel" and "dispatch" in layer, layer
+    dim = layer["dispatch"]["dim"]
+    assert plan.nodes[dispatch.ids].outputs[0].split(",")[dim] == "D"
+    assert all(plan.nodes[g].exchange == "expert_dispatch" for g in dispatch.gathers)
+    assert layer["order_applied"] and layer["imbalance"] < layer["imbalance_in_order"]
+    assert autopar.Plan.from_json(plan.to_json()).experts == plan.experts
+
+
+def test_a_region_that_mixes_rows_is_not_dispatched():
+    """Centring the experts' hidden rows over all rows makes each row depend on the others:
+    that region cannot run on the owners of the rows' experts."""
+    torch.manual_seed(0)
+    model, x = models.GatheredMoE(experts=8, mix_rows=True), torch.randn(32, 32)
+    captured = capture(model, (x,))
+    annotate_experts(captured, (x,))
+    assert not [n for n in captured.graph.nodes if DISPATCH_KEY in n.meta]
 
 
 H100_REGIONS = os.path.join(os.path.dirname(__file__), "clusters", "four_h100_regions.yaml")

@@ -1,0 +1,325 @@
+"""Expert parallelism for experts gathered per token (transformers' "batched_mm" Mixtral).
+
+Such a layer picks each (token, choice) row's expert weights with a gather, ``w[ids]`` (one
+copy of the expert's matrix per row), and multiplies row by row (``bmm``). DTensor has no
+rule that splits the gathered dim, so on its own the ILP can only replicate those experts or
+split them inside. Expert parallelism needs the rows to travel to the device that owns their
+expert: Megatron's all-to-all token dispatcher. Here it is one fused region:
+
+  * the **segment**: the nodes from the gathers on whose every output has one row per
+    (token, choice) and that compute each row on its own (gathers, batched matmuls,
+    activations, the routing weights' product…; checked op by op and, with real values, by
+    permuting the rows);
+  * its **dispatch** (lowered by ``runtime.dispatch_experts``): each device sends its rows
+    (and their ids) to the owner of their expert along one mesh dim — one
+    ``all_to_all_single`` with the counts exchanged first — the owner runs the segment on
+    them with its block of every gathered weight (``Shard(0)``: E/n experts each), and the
+    results come back the same way into the rows' own order. Backward is the reverse
+    exchange; each weight's gradient stays with its owner.
+
+For the ILP the choice is a marker placement, "D" ("dispatched"), on the ids node: twins of
+its strategies put "D" on a mesh dim where the ids are split by rows, and twins of the
+gathers take "D" ids with their weight ``Shard(0)`` on that dim (:func:`add_expert_dispatch`).
+"D" converts to nothing else (passes.problem), so the ids' consumers — every gather — take
+the twins together. The ids twin carries the exchange's time (the rows there and back,
+forward and backward) and the busiest owner's extra compute (the router's load on the
+example inputs, in the balanced order when the plan can place it).
+
+Writes ``node.meta["autopar.dispatch"] = Dispatch(...)`` on the ids node.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from autopar.comm import all_to_all_s
+from autopar.mesh import MeshSpec
+from autopar.passes.cost import COST_KEY, tensor_bytes
+from autopar.passes.strategies import STRATEGIES_KEY, Strategy
+from autopar.passes.values import evaluate
+
+aten = torch.ops.aten
+DISPATCH_KEY = "autopar.dispatch"
+DISPATCHED = "D"  # marker placement of the ids node: rows exchanged with their experts' owners on this mesh dim
+EXPERT_DISPATCH = "expert_dispatch"  # Strategy.exchange of the twins
+_RELATIVE_TOLERANCE = 1e-5
+
+# ops that compute each row (dim 0) on its own when dim 0 stays the rows (dims checked by _row_wise)
+_ELEMENTWISE = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.neg.default,
+                aten.silu.default, aten.sigmoid.default, aten.gelu.default, aten.relu.default, aten.tanh.default,
+                aten.exp.default, aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.add.Scalar, aten.clone.default,
+                aten._to_copy.default, aten.contiguous.default, aten.alias.default, aten.rsqrt.default}
+_BATCHED = {aten.bmm.default, aten.baddbmm.default}
+_SHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+          aten.squeeze.dim, aten.squeeze.dims, aten.split_with_sizes.default, aten.split.Tensor,
+          aten.slice.Tensor, aten.transpose.int, aten.permute.default, aten._softmax.default,
+          aten.sum.dim_IntList, aten.mean.dim, aten.expand.default, aten.mm.default}
+
+
+@dataclass(eq=False)
+class Dispatch:
+    """One MoE layer's gathered experts and the region that runs on their owners."""
+
+    ids: str  # the node of each row's chosen expert
+    gathers: tuple[str, ...]  # ``index(w, [ids])`` nodes
+    weights: tuple[str, ...]  # the gathered weights' placeholders (one per gather)
+    segment: tuple[str, ...]  # nodes run on the owners, in graph order (the gathers included)
+    inputs: tuple[str, ...]  # nodes outside the segment it reads (besides ids and weights)
+    row_inputs: tuple[bool, ...]  # per input: one row per (token, choice) (sent with its row) or not (whole)
+    outputs: tuple[str, ...]  # segment nodes read outside it
+    rows: int
+    experts: int
+    sent_bytes: int  # the row inputs' bytes (every device's together)
+    returned_bytes: int  # the outputs' bytes
+    load: tuple[int, ...] | None = None  # rows per expert on the example inputs
+    balanced: bool = False  # the plan may place the experts in a balanced order (a relabelling exists)
+
+    def to_plan(self, dim: int) -> dict:
+        """The MoE layer's ``dispatch`` entry in the plan: what lowering fuses, over mesh dim ``dim``."""
+        return {"dim": dim, "ids": self.ids, "gathers": list(self.gathers), "segment": list(self.segment),
+                "inputs": list(self.inputs), "row_inputs": list(self.row_inputs), "outputs": list(self.outputs),
+                "rows": self.rows, "experts": self.experts}
+
+    @classmethod
+    def from_plan(cls, entry: dict) -> "Dispatch":
+        return cls(entry["ids"], tuple(entry["gathers"]), (), tuple(entry["segment"]), tuple(entry["inputs"]),
+                   tuple(entry["row_inputs"]), tuple(entry["outputs"]), entry["rows"], entry["experts"], 0, 0)
+
+
+def annotate_dispatches(graph: torch.fx.Graph, expert_weights: dict[str, object],
+                        values: dict[str, torch.Tensor] | None, memo: dict | None = None) -> list[Dispatch]:
+    """Find the dispatchable regions of gathered experts. ``expert_weights``: placeholder name
+    -> its passes.experts.ExpertGroup (the stacked experts)."""
+    by_ids: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if (node.target is aten.index.Tensor and node.args[0].name in expert_weights
+                and len(node.args[1]) == 1 and isinstance(node.args[1][0], torch.fx.Node)):
+            ids = node.args[1][0]
+            val = ids.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dim() == 1 and not val.dtype.is_floating_point:
+                by_ids.setdefault(ids, []).append(node)
+    found = []
+    for ids, gathers in by_ids.items():
+        dispatch = _dispatch(graph, ids, gathers, expert_weights, values, memo)
+        if dispatch is not None:
+            ids.meta[DISPATCH_KEY] = dispatch
+            found.append(dispatch)
+    return found
+
+
+def _dispatch(graph, ids: torch.fx.Node, gathers: list[torch.fx.Node], expert_weights: dict, values, memo
+              ) -> Dispatch | None:
+    rows = ids.meta["val"].shape[0]
+    experts = {g.args[0].meta["val"].shape[0] for g in gathers}
+    if len(experts) != 1 or any(u not in gathers for u in ids.users):
+        return None  # the ids also feed something else: they must stay as they are there
+    segment: list[torch.fx.Node] = []
+    inside = set(gathers)
+    for node in graph.nodes:
+        if node in inside:
+            segment.append(node)
+        elif node.op == "call_function" and any(a in inside for a in node.all_input_nodes) and _row_wise(node, rows):
+            inside.add(node)
+            segment.append(node)
+    outputs = [n for n in segment if any(u not in inside for u in n.users)]
+    if not outputs or any(not isinstance(n.meta.get("val"), torch.Tensor) or not _rows_of(n, rows) for n in outputs):
+        return None
+    inputs = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
+                                if a not in inside and a is not ids and all(a is not g.args[0] for g in gathers)))
+    if any(not isinstance(a.meta.get("val"), torch.Tensor) for a in inputs) or _downstream(graph, inside) & set(inputs):
+        return None  # the segment would need something computed from its own results
+    position = {n: k for k, n in enumerate(graph.nodes)}
+    ready = max(position[a] for a in [ids, *inputs, *(g.args[0] for g in gathers)])
+    if ready > min(position[u] for n in outputs for u in n.users if u not in inside):
+        return None  # one call cannot stand for it: an output is used before all its inputs exist
+    row_inputs = tuple(a.meta["val"].dim() > 0 and a.meta["val"].shape[0] == rows for a in inputs)
+    group = expert_weights[gathers[0].args[0].name]
+    dispatch = Dispatch(
+        ids.name, tuple(g.name for g in gathers), tuple(g.args[0].name for g in gathers), tuple(n.name for n in segment),
+        tuple(a.name for a in inputs), row_inputs, tuple(n.name for n in outputs), rows, experts.pop(),
+        sum(tensor_bytes(a.meta["val"]) for a, r in zip(inputs, row_inputs) if r),
+        sum(tensor_bytes(n.meta["val"]) for n in outputs), getattr(group, "load", None),
+        getattr(group, "relabel", None) is not None)
+    if values is not None and not _rows_independent(graph, dispatch, values, memo):
+        return None
+    return dispatch
+
+
+def _downstream(graph: torch.fx.Graph, inside: set) -> set:
+    """Nodes outside ``inside`` that depend on it."""
+    found: set = set()
+    for node in graph.nodes:
+        if node not in inside and any(a in inside or a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _rows_of(node: torch.fx.Node, rows: int) -> bool:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return bool(vals) and all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows for v in vals)
+
+
+def _row_wise(node: torch.fx.Node, rows: int) -> bool:
+    """Whether ``node`` keeps one row per (token, choice) in dim 0 and computes each on its own."""
+    if node.target is operator.getitem:
+        return _rows_of(node, rows)
+    if not _rows_of(node, rows):
+        return False
+    ins = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if node.target in _ELEMENTWISE:  # other operands broadcast (fewer dims, or dim 0 of 1) or are rows
+        out = node.meta["val"].dim()
+        return all(v.dim() < out or v.shape[0] in (1, rows) for v in ins)
+    if node.target in _BATCHED or node.target is aten.index.Tensor:
+        return all(v.shape[0] == rows for v in ins[:2])
+    if node.target in _SHAPE:
+        source = node.args[0].meta.get("val")
+        if not isinstance(source, torch.Tensor) or source.dim() == 0 or source.shape[0] != rows:
+            return False
+        if node.target is aten.mm.default:  # rows @ a matrix
+            return not _rows_of(node.args[1], rows)
+        dims = _dims_of(node)
+        return dims is not None and 0 not in [d % source.dim() for d in dims]
+    return False
+
+
+def _dims_of(node: torch.fx.Node) -> list[int] | None:
+    """The dims an op of _SHAPE works on (dim 0 must not be among them); [] for views that keep it."""
+    t, args = node.target, node.args
+    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default):
+        return []  # dim 0 kept (checked by the caller): a contiguous row stays one row
+    if t is aten.unsqueeze.default:
+        return [args[1]] if args[1] % (node.meta["val"].dim()) != 0 else [0]
+    if t in (aten.squeeze.dim, aten._softmax.default, aten.slice.Tensor):
+        return [args[1] if len(args) > 1 else 0]
+    if t in (aten.squeeze.dims, aten.sum.dim_IntList, aten.mean.dim):
+        return list(args[1]) if args[1] else [0]
+    if t in (aten.split_with_sizes.default, aten.split.Tensor):
+        return [args[2] if len(args) > 2 else 0]
+    if t is aten.transpose.int:
+        return [args[1], args[2]]
+    if t is aten.permute.default:
+        return [0] if args[1][0] % len(args[1]) != 0 else []
+    return None
+
+
+def segment_module(graph: torch.fx.Graph, dispatch: Dispatch) -> torch.fx.GraphModule:
+    """The segment as a module: inputs (``dispatch.inputs`` in order), then one ids tensor per
+    gather, then the gathered weights; returns the outputs as a tuple."""
+    by_name = {n.name: n for n in graph.nodes}
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for name in dispatch.inputs:
+        env[by_name[name]] = sub.placeholder(f"in_{name}")
+    ids = {g: sub.placeholder(f"ids_{g}") for g in dispatch.gathers}
+    weights = {g: sub.placeholder(f"w_{g}") for g in dispatch.gathers}
+    for name in dispatch.segment:
+        node = by_name[name]
+        if name in ids:
+            env[node] = sub.call_function(aten.index.Tensor, (weights[name], [ids[name]]))
+        else:
+            env[node] = sub.node_copy(node, lambda a: env[a])
+        env[node].meta = dict(node.meta)
+    sub.output(tuple(env[by_name[n]] for n in dispatch.outputs))
+    return torch.fx.GraphModule(torch.nn.Module(), sub)
+
+
+def _rows_independent(graph, dispatch: Dispatch, values: dict[str, torch.Tensor], memo: dict | None) -> bool:
+    """The segment on the example values, and on the same rows in reverse order: the outputs
+    must be the same rows reversed (nothing mixes rows). True when values are missing."""
+    by_name = {n.name: n for n in graph.nodes}
+    memo = {} if memo is None else memo
+    inputs = [evaluate(by_name[n], values, memo) for n in dispatch.inputs]
+    ids = evaluate(by_name[dispatch.ids], values, memo)
+    weights = [values.get(w) for w in dispatch.weights]
+    if any(v is None for v in [*inputs, ids, *weights]):
+        return True
+    module = segment_module(graph, dispatch)
+    flip = torch.arange(dispatch.rows - 1, -1, -1)
+    with torch.no_grad():
+        outs = module(*inputs, *[ids] * len(weights), *weights)
+        flipped = module(*[x[flip] if r else x for x, r in zip(inputs, dispatch.row_inputs)],
+                         *[ids[flip]] * len(weights), *weights)
+    for a, b in zip(outs, flipped, strict=True):
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        if a.shape != b.shape or float((a[flip] - b).abs().max()) > _RELATIVE_TOLERANCE * max(scale, 1e-12):
+            return False
+    return True
+
+
+def add_expert_dispatch(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
+    """Twins for every dispatch region: the ids node "D" on a mesh dim of size n > 1 dividing
+    the experts where it is split by rows; each gather taking those ids with its weight
+    ``Shard(0)`` there (from its strategies with the weight replicated everywhere)."""
+    by_name = {n.name: n for n in graph.nodes}
+    for node in graph.nodes:
+        dispatch = node.meta.get(DISPATCH_KEY)
+        if dispatch is None or STRATEGIES_KEY not in node.meta:
+            continue
+        dims = [d for d, n in enumerate(mesh_shape) if n > 1 and dispatch.experts % n == 0]
+        own = [s for s in node.meta[STRATEGIES_KEY] if s.exchange != EXPERT_DISPATCH]
+        twins = [Strategy((out[:d] + (DISPATCHED,) + out[d + 1:],), s.inputs, exchange=EXPERT_DISPATCH)
+                 for s in own for d in dims if len(s.outputs) == 1 and (out := s.outputs[0]) and out[d] == "S(0)"]
+        node.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
+        for name in dispatch.gathers:
+            gather = by_name[name]
+            own = [s for s in gather.meta[STRATEGIES_KEY] if s.exchange != EXPERT_DISPATCH]
+            twins = []
+            for s in own:
+                weight, ids = s.inputs
+                for d in dims:
+                    if all(p == "R" for p in weight) and ids[d] == "S(0)" and s.outputs[0][d] == "S(0)":
+                        twins.append(Strategy(s.outputs, (weight[:d] + ("S(0)",) + weight[d + 1:],
+                                                          ids[:d] + (DISPATCHED,) + ids[d + 1:]),
+                                              exchange=EXPERT_DISPATCH))
+            gather.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
+
+
+def dispatch_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device, links=None) -> float:
+    """Time an ids twin adds: the rows to their owners and back, forward and backward (one
+    all-to-all each way, on the mesh dim placed "D", after the counts' and the ids'), and the busiest owner's compute beyond
+    the mean (the segment's work on rows split over the devices, times the load's max/mean − 1).
+    The gathers' twins add nothing (their rows' exchange is this one)."""
+    dispatch = node.meta.get(DISPATCH_KEY)
+    if dispatch is None or strategy.exchange != EXPERT_DISPATCH:
+        return 0.0
+    links = links or mesh.links
+    out = strategy.outputs[0]
+    d = out.index(DISPATCHED)
+    n = mesh.shape[d]
+    others = math.prod(size for k, (p, size) in enumerate(zip(out, mesh.shape)) if k != d and p != "R")
+    # forward: the counts, the ids, the rows there and back; backward: the rows' gradients both ways
+    ids_bytes = dispatch.rows * 8 / others
+    exchange = (all_to_all_s(0.0, n, links[d]) + all_to_all_s(ids_bytes, n, links[d])
+                + 2 * (all_to_all_s(dispatch.sent_bytes / others, n, links[d])
+                       + all_to_all_s(dispatch.returned_bytes / others, n, links[d])))
+    excess = imbalance_of(dispatch, n) - 1.0
+    if excess <= 0 or device is None:
+        return exchange
+    by_name = {x.name: x for x in node.graph.nodes}
+    split = others * n
+    work = sum(3 * by_name[name].meta[COST_KEY].time_s(device, split) for name in dispatch.segment
+               if name in by_name and COST_KEY in by_name[name].meta)
+    return exchange + excess * work
+
+
+def imbalance_of(dispatch: Dispatch, devices: int) -> float:
+    """max / mean rows per owner with the experts in contiguous blocks over ``devices``: in the
+    balanced order when the plan can place it, else in the model's order."""
+    if dispatch.load is None or devices <= 1:
+        return 1.0
+    return _imbalance(dispatch.load, devices, dispatch.balanced)
+
+
+@functools.lru_cache(maxsize=256)
+def _imbalance(load: tuple[int, ...], devices: int, balanced: bool) -> float:
+    from autopar.passes.experts import balanced_order, device_loads, imbalance
+
+    order = balanced_order(load, devices) if balanced else list(range(len(load)))
+    return imbalance(device_loads(load, order, devices))
+

@@ -19,7 +19,7 @@ from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import ProblemIndex, build_problem, lookup_exchange_s, unit_links
+from autopar.passes.problem import ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, unit_links
 from autopar.passes.sparse import add_sparse_exchange, add_table_wise
 from autopar.passes.strategies import enumerate_strategies
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
@@ -29,10 +29,11 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
     """Predicted step time and per-device memory of ``plan``'s placements on another
     ``cluster`` with as many devices (e.g. a plan made without knowing a slow WAN link, costed
     on the real one). Every node keeps its planned strategy; raises BAD_PLAN if a placement is
-    not one the model offers on that mesh."""
+    not one the model offers on that mesh. Memory is the busiest device's (table-wise owners
+    as the planner picks them)."""
     mesh = checked_mesh(cluster, plan.mesh_shape)
-    problem, _, choice = planned_problem(captured, plan, cluster, mesh, optimizer)
-    return problem.evaluate(choice), problem.memory(choice)
+    problem, index, choice = planned_problem(captured, plan, cluster, mesh, optimizer)
+    return problem.evaluate(choice), problem.memory(choice) + table_wise_excess(captured, index, choice, mesh, optimizer)
 
 
 def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> float:

@@ -14,6 +14,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
 from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED
 from autopar.passes.sparse import LOOKUP_KEY, TABLE_WISE, exchange_bytes
+from autopar.passes.sparse import table_owners as sparse_owners
 from autopar.passes.stack_experts import owned_dim
 
 
@@ -54,22 +55,16 @@ def sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: di
 
 
 def table_owners(tables: dict[str, dict], parameters: dict[str, ParameterPlan], mesh: MeshSpec) -> dict[str, int]:
-    """The device (coordinate on the mesh dim placed "O") that holds each table-wise table:
-    most pooled bytes first, each onto the device sending the fewest so far (the fused
-    all-to-all waits for the busiest sender), then holding the fewest table bytes — TorchRec's
-    greedy table-wise partitioner, by traffic first."""
+    """The device (coordinate on the mesh dim placed "O") that holds each table-wise table
+    (passes.sparse.table_owners, per mesh dim)."""
     owners: dict[str, int] = {}
-    by_dim: dict[int, list[str]] = {}
+    by_dim: dict[int, list[tuple[str, int, int]]] = {}
     for fqn, table in tables.items():
         if table["exchange"] == TABLE_WISE:
-            by_dim.setdefault(owned_dim(parameters[fqn].placement), []).append(fqn)
+            by_dim.setdefault(owned_dim(parameters[fqn].placement), []).append(
+                (fqn, table["pooled_bytes"], parameters[fqn].bytes))
     for dim, members in sorted(by_dim.items()):
-        sent, held = [0] * mesh.shape[dim], [0] * mesh.shape[dim]
-        for fqn in sorted(members, key=lambda f: (-tables[f]["pooled_bytes"], -parameters[f].bytes, f)):
-            k = min(range(mesh.shape[dim]), key=lambda k: (sent[k], held[k], k))
-            owners[fqn] = k
-            sent[k] += tables[fqn]["pooled_bytes"]
-            held[k] += parameters[fqn].bytes
+        owners.update(sparse_owners(members, mesh.shape[dim]))
     return owners
 
 

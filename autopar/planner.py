@@ -27,7 +27,8 @@ from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, unit_links
+from autopar.passes.problem import (
+    OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, unit_links)
 from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, add_table_wise
 from autopar.passes.strategies import enumerate_strategies
 from autopar.solvers import get_solver
@@ -63,11 +64,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
     prepared = []
     for order, mesh in enumerate(meshes):
-        enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
-        add_sparse_exchange(captured.graph)
-        add_table_wise(captured.graph, mesh.shape)
-        add_owned_stacks(captured.graph, mesh.shape)
-        add_expert_dispatch(captured.graph, mesh.shape)
+        _strategies_for(captured, mesh, repeated)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated, activation_copies)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
@@ -99,6 +96,16 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             continue
         log.info("mesh %s: solving (%d nodes, %d edges)", list(mesh.shape), problem.num_nodes, len(problem.edges))
         solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
+        excess = table_wise_excess(captured, index, solution.choice, mesh, optimizer) if solution.choice else 0
+        if excess and problem.memory(solution.choice) + excess > problem.memory_limit_bytes:
+            # the owners cannot spread the table-wise tables evenly enough: charge them whole
+            # on every device (a bound whatever the owners) and solve again
+            log.info("mesh %s: table-wise owners %d bytes over the even split; solving again", list(mesh.shape), excess)
+            _strategies_for(captured, mesh, repeated)  # the graph holds the last candidate mesh's
+            whole, _ = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
+                                     repeated, activation_copies, tables_whole=True)
+            problem = dataclasses.replace(whole, fixed=problem.fixed, excluded=problem.excluded)
+            solution, excess = engine.solve(problem, hint=hint), 0
         candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
                              "predicted_step_s": solution.objective_s if solution.choice else None,
                              "bound_s": _finite(solution.bound_s)}
@@ -106,7 +113,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             lower_bounds.append(problem.min_memory())
             continue
         if best is None or solution.objective_s < best[2].objective_s * (1 - 1e-9):
-            best = (mesh, problem, solution, index)
+            best = (mesh, problem, solution, index, excess)
     candidates = [candidates[k] for k in sorted(candidates)]
     for name in (*BASELINES, *BASELINES_2D) if baselines else ():  # e.g. no 2-D mesh on this cluster
         found_baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
@@ -117,13 +124,22 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                            "degree), or the model has none of the layers it parallelises")
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
-    mesh, problem, solution, index = best
-    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, found_baselines)
+    mesh, problem, solution, index, excess = best
+    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, found_baselines, excess)
     plan_s = time.perf_counter() - start
     object.__setattr__(plan, "timings", {"plan_s": plan_s, "prepare_s": prepare_s, "solve_s": solution.solve_s,
                                          "solve_total_s": plan_s - prepare_s})
     log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
     return plan
+
+
+def _strategies_for(captured: Captured, mesh: MeshSpec, repeated: dict[str, str]) -> None:
+    """Every node's strategies on ``mesh`` (DTensor's, and the twins autopar adds), in node.meta."""
+    enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
+    add_sparse_exchange(captured.graph)
+    add_table_wise(captured.graph, mesh.shape)
+    add_owned_stacks(captured.graph, mesh.shape)
+    add_expert_dispatch(captured.graph, mesh.shape)
 
 
 def _unclustered_variables(problem: ShardingProblem) -> int:
@@ -265,14 +281,16 @@ def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) 
 
 
 def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
-             index: ProblemIndex, candidates, optimizer: str, baselines: dict) -> Plan:
-    """Every graph node (copies of repeated layers included) gets its problem node's choice."""
+             index: ProblemIndex, candidates, optimizer: str, baselines: dict, table_excess: int = 0) -> Plan:
+    """Every graph node (copies of repeated layers included) gets its problem node's choice.
+    ``table_excess``: bytes the busiest table-wise owner holds beyond the even split the
+    problem charged (the plan's memory is the busiest device's)."""
     incident: dict[str, list] = {}
     for (producer, consumer, _arg), k in index.edge_of.items():
         incident.setdefault(producer, []).append((problem.edges[k], True))
         incident.setdefault(consumer, []).append((problem.edges[k], False))
     nodes, parameters, buffers = {}, {}, {}
-    memory = {"param": 0, "act": 0}
+    memory = {"param": table_excess, "act": 0}
     states = OPTIMIZER_STATES[optimizer]
     for node in captured.graph.nodes:
         q = index.node_of.get(node.name)

@@ -39,7 +39,8 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED, EXPERT_DISPATCH, dispatch_s
 from autopar.passes.memory import SAVED_KEY
-from autopar.passes.sparse import LOOKUP_KEY, UNIT_LINK, owned_table_options, sparse_exchange_s, table_wise_tables
+from autopar.passes.sparse import (
+    LOOKUP_KEY, TABLE_WISE, UNIT_LINK, owned_table_options, sparse_exchange_s, table_owners, table_wise_tables)
 from autopar.passes.stack_experts import OWNED, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
@@ -64,7 +65,7 @@ class ProblemIndex:
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
-                  symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
+                  symbolic: bool = False, tables_whole: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -72,7 +73,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     passes.symbolic attached (memory stays in numbers); for evaluating a plan, not solving.
     Batched experts' weights may also take the "O" placement (passes.stack_experts; the
     stack nodes' twins come from :func:`add_owned_stacks`), and so may sparse tables whose
-    lookups have table-wise twins (passes.sparse.add_table_wise)."""
+    lookups have table-wise twins (passes.sparse.add_table_wise). A table-wise table counts
+    1/n of its bytes on each of the n devices of its dim (owners spread the tables; the
+    planner checks the owners it picks, :func:`table_wise_excess`), or with ``tables_whole``
+    all of them on every device (a bound that holds whatever the owners)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = _gradient_path(graph, captured)
@@ -96,8 +100,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             if node.name in tables:  # a table may live whole on one device of a dim (table-wise)
                 options += [Strategy((p,), ()) for p in owned_table_options(mesh.shape)]
             copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
-            # tables' owners differ in what they hold; the busiest holds at most the whole table
-            mem = [copies * tensor_bytes(val) // (1 if node.name in tables and OWNED in s.outputs[0]
+            mem = [copies * tensor_bytes(val) // (1 if tables_whole and node.name in tables and OWNED in s.outputs[0]
                                                   else _shards(s.outputs[0], mesh.shape)) for s in options]
             cost = [0.0] * len(options)
         elif node.op == "call_function":
@@ -174,6 +177,32 @@ def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device:
     if strategy.exchange == EXPERT_DISPATCH:
         return dispatch_s(node, strategy, mesh, device)
     return sparse_exchange_s(node.meta[LOOKUP_KEY], strategy, mesh) if strategy.exchange else 0.0
+
+
+def table_wise_excess(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec,
+                      optimizer: str = "adamw") -> int:
+    """Bytes the busiest device holds beyond what the problem charged for table-wise tables
+    (1/n of each on every device of its dim), with the owners :func:`passes.sparse.table_owners`
+    picks for this choice: per mesh dim, the busiest owner's tables (with gradients and
+    optimizer states) minus the even shares."""
+    copies = 2 + OPTIMIZER_STATES[optimizer]
+    by_dim: dict[int, list[tuple[str, int, int]]] = {}
+    for node in captured.graph.nodes:
+        q = index.node_of.get(node.name)
+        if q is None or LOOKUP_KEY not in node.meta:
+            continue
+        strategy = index.strategies[q][choice[q]]
+        if strategy.exchange == TABLE_WISE:
+            table = node.args[0]
+            by_dim.setdefault(strategy.inputs[0].index(OWNED), []).append(  # by FQN, as the plan names owners
+                (captured.parameter_of[table.name], node.meta[LOOKUP_KEY].result_bytes, tensor_bytes(table.meta["val"])))
+    excess = 0
+    for dim, members in by_dim.items():
+        n = mesh.shape[dim]
+        owners = table_owners(members, n)
+        held = [sum(copies * nbytes for name, _, nbytes in members if owners[name] == k) for k in range(n)]
+        excess += max(held) - sum(copies * nbytes // n for _, _, nbytes in members)
+    return max(excess, 0)
 
 
 def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:

@@ -23,7 +23,8 @@ op itself (``Strategy.exchange``), with the all-gather on the node and no partia
 on the table's edge; and every pooled lookup (an embedding bag) twins that place its table
 table-wise (:func:`add_table_wise`; owners are chosen after the solve, greedily by traffic,
 and lowering fuses the lookups into one exchange). The solver picks per table under the same
-memory limits (a table-wise table counts whole on every device: owners hold different tables).
+memory limits (a table-wise table counts 1/n on each device of its dim, and the planner checks
+the busiest owner; passes.problem.table_wise_excess).
 
 The number of rows one device touches comes from, in order: the user (``sparsity={fqn: α}``,
 α = fraction of the table's rows one device touches per step); the example inputs (the index
@@ -226,6 +227,21 @@ def owned_table_options(mesh_shape: tuple[int, ...]) -> list[tuple[str, ...]]:
     """A table's table-wise placements: whole on one device of a mesh dim, replicated on the others."""
     return [tuple(OWNED if k == d else "R" for k in range(len(mesh_shape)))
             for d, size in enumerate(mesh_shape) if size > 1]
+
+
+def table_owners(tables: list[tuple[str, int, int]], devices: int) -> dict[str, int]:
+    """The owner (coordinate on their mesh dim) of each table-wise table, from (name, pooled
+    bytes, table bytes): most pooled bytes first, each onto the device sending the fewest so
+    far (the fused all-to-all waits for the busiest sender), then holding the fewest table
+    bytes — TorchRec's greedy table-wise partitioner, by traffic first."""
+    owners: dict[str, int] = {}
+    sent, held = [0] * devices, [0] * devices
+    for name, pooled, nbytes in sorted(tables, key=lambda t: (-t[1], -t[2], t[0])):
+        k = min(range(devices), key=lambda k: (sent[k], held[k], k))
+        owners[name] = k
+        sent[k] += pooled
+        held[k] += nbytes
+    return owners
 
 
 def table_wise_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None) -> float:

@@ -201,16 +201,16 @@ MOE_WORLD2 = [  # stacked experts split over the experts, a skewed router: their
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True, "skew": 1.0}, "tokens", 8,
      {"cluster": "2xcpu"}, "float64"),  # ModuleList experts, each on its owner (expert parallel), a skewed
     # router: the experts go to their owners in a balanced order
-    ("MoEGPT", {"d": 32, "hidden": 64, "experts": 4}, "tokens", 8, {"cluster": "2xH100"}),
+    # 3 experts on 2 devices: split inside the experts (expert tensor parallel)
+    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 3}, "tokens", 8, {"cluster": "2xH100", "memory_fraction": 0.6},
+     "float64"),
     # the router's scores read by the output too: the chosen ids are mapped to slots instead
     ("DenseRoutedMoE", {"expose": "prob0"}, "vec:256", 16, {"cluster": "2xcpu"}, "float64"),
 ]
-MOE_WORLD4 = [  # experts over one mesh dim and their hidden dim over the other; expert TP alone (8 experts
-    # expert-parallel are checked on 2 ranks above; on 4 ranks the planner splits them over every device)
+MOE_WORLD4 = [  # 2-D meshes (8 experts expert-parallel are checked on 2 ranks above; on 4 ranks the
+    # planner splits them over every device)
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 2}, "tokens", 8,
      {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.4}, "float64"),
-    ("MoEGPT", {"d": 32, "hidden": 256, "experts": 2}, "tokens", 8,
-     {"cluster": "4xH100", "mesh_shape": (4,), "memory_fraction": 0.6}, "float64"),
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 4, "module_list": True}, "tokens", 8,
      {"cluster": "4xH100", "mesh_shape": (2, 2), "memory_fraction": 0.5}, "float64"),
     # gathered experts' rows dispatched over one mesh dim, the weights split on the other too
@@ -260,7 +260,8 @@ def _assert_rows_follow_orders(result: dict) -> None:
 def test_moe_equivalence_two_processes():
     results = run_world(2, run_cases, MOE_WORLD2)
     exchanges = assert_equivalent(MOE_WORLD2, results, _bound)
-    assert "expert_parallel" in exchanges, exchanges
+    assert {"expert_parallel", "expert_tensor_parallel"} <= exchanges, exchanges
+    assert "expert_tensor_parallel" in results[2]["exchanges"], results[2]
     _assert_rows_follow_orders(results[0])
     _assert_owners_follow_orders(results[1], 2)
     _assert_owners_follow_orders(results[3], 2)
@@ -271,10 +272,10 @@ def test_moe_equivalence_two_processes():
 def test_moe_equivalence_four_processes_1d_and_2x2_mesh():
     results = run_world(4, run_cases, MOE_WORLD4)
     exchanges = assert_equivalent(MOE_WORLD4, results, _bound)
-    assert {"expert_parallel", "expert_tensor_parallel"} <= exchanges, exchanges
-    _assert_owners_follow_orders(results[2], 2)  # 4 experts over the mesh dim of 2 placed "O"
-    assert results[3]["dispatches"] == 1, results[3]
-    _assert_rows_follow_orders(results[3])
+    assert "expert_parallel" in exchanges, exchanges
+    _assert_owners_follow_orders(results[1], 2)  # 4 experts over the mesh dim of 2 placed "O"
+    assert results[2]["dispatches"] == 1, results[2]
+    _assert_rows_follow_orders(results[2])
 
 
 def test_transformers_mixtral_experts_and_router_load_are_found():

@@ -18,7 +18,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
-from autopar.costing import communication_bytes
+from autopar.costing import communication_bytes, recost
 from autopar.report import sparse_table
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
@@ -167,6 +167,41 @@ def test_dlrm_plan_places_big_tables_table_wise_and_beats_ddp():
         3 / 4 * (ids + 2 * pooled))
     # table-wise: each device sends 1/n of the owners' (n−1)/n of the pooled bags, forward and back
     assert plan.sparse["embeddings.0.weight"]["bytes_per_step"]["table_wise"] == pytest.approx(2 * 3 / 16 * pooled)
+
+
+def test_table_wise_memory_is_the_busiest_owners():
+    """A table-wise table counts 1/n on each device in the ILP; the plan's memory (and a
+    re-costed one) is the busiest owner's, and a table no owner can hold is not placed
+    table-wise however little its even share is."""
+    model = models.DLRM(tables=(50000, 4096, 64, 16), dim=16, hidden=256)
+    inputs = models.dlrm_inputs(model, batch=512)
+    options = {"cluster": "4xcpu", "mesh_shape": (4,), "pipeline": False, "replicas": False}
+    plan = autopar.plan(model, inputs, **options)
+    big = plan.parameters["embeddings.0.weight"]
+    assert big.exchange == "table_wise" and plan.sparse["embeddings.0.weight"]["owner"] == 0
+    # the busiest device (table 0's owner) holds it whole, not table 1 (on another owner): not
+    # a quarter of each, nor both whole
+    second = plan.parameters["embeddings.1.weight"]
+    assert second.exchange == "table_wise" and plan.sparse["embeddings.1.weight"]["owner"] != 0
+    assert big.bytes <= plan.memory.params_bytes < big.bytes + second.bytes
+    assert plan.memory.grads_bytes == plan.memory.params_bytes  # and its gradient, and two AdamW states
+    assert plan.memory.optimizer_bytes == 2 * plan.memory.params_bytes
+    captured = capture(model, inputs)
+    annotate_lookups(captured, inputs)
+    assert recost(captured, plan, Cluster.from_spec("4xcpu"))[1] == plan.memory.total_bytes
+    # just enough memory for that owner: both big tables still table-wise (charging every
+    # table whole on every device, as before, would not fit them both)
+    fitted = autopar.plan(model, inputs, **options, memory_limit=plan.memory.total_bytes)
+    assert [fitted.parameters[f"embeddings.{t}.weight"].exchange for t in (0, 1)] == ["table_wise"] * 2
+    assert fitted.memory.total_bytes <= plan.memory.total_bytes
+    # less than the big table whole: its even share would fit, its owner would not
+    short = autopar.plan(model, inputs, **options, memory_limit=int(3.5 * big.bytes))
+    assert short.parameters["embeddings.0.weight"].exchange != "table_wise"
+    assert short.memory.total_bytes <= int(3.5 * big.bytes)
+    # the same over every candidate mesh (a mesh solved again after the others were prepared)
+    searched = autopar.plan(model, inputs, cluster="4xcpu", pipeline=False, replicas=False,
+                            memory_limit=int(3.5 * big.bytes))
+    assert searched.memory.total_bytes <= int(3.5 * big.bytes)
 
 
 # The big-table cases run in float64: a hot row gathers ~340 gradient contributions, and the

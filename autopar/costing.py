@@ -19,7 +19,8 @@ from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, unit_links
+from autopar.passes.problem import (
+    ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, table_wise_spread_s, unit_links)
 from autopar.passes.sparse import add_sparse_exchange, add_table_wise
 from autopar.passes.strategies import enumerate_strategies
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
@@ -29,11 +30,12 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
     """Predicted step time and per-device memory of ``plan``'s placements on another
     ``cluster`` with as many devices (e.g. a plan made without knowing a slow WAN link, costed
     on the real one). Every node keeps its planned strategy; raises BAD_PLAN if a placement is
-    not one the model offers on that mesh. Memory is the busiest device's (table-wise owners
-    as the planner picks them)."""
+    not one the model offers on that mesh. Memory is the busiest device's, and the table-wise
+    exchange waits for the busiest owner (owners as the planner picks them)."""
     mesh = checked_mesh(cluster, plan.mesh_shape)
     problem, index, choice = planned_problem(captured, plan, cluster, mesh, optimizer)
-    return problem.evaluate(choice), problem.memory(choice) + table_wise_excess(captured, index, choice, mesh, optimizer)
+    return (problem.evaluate(choice) + table_wise_spread_s(captured, index, choice, mesh),
+            problem.memory(choice) + table_wise_excess(captured, index, choice, mesh, optimizer))
 
 
 def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> float:
@@ -52,9 +54,9 @@ def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, exam
     each op's FLOPs and bytes as formulas; goes into ``plan.symbolic``."""
     b0 = annotate_symbolic(captured, model, example_inputs)
     mesh = checked_mesh(cluster, plan.mesh_shape)
-    problem, _, choice = planned_problem(captured, plan, cluster, mesh, plan.options.get("optimizer", "adamw"),
+    problem, index, choice = planned_problem(captured, plan, cluster, mesh, plan.options.get("optimizer", "adamw"),
                                           symbolic=True)
-    step = sympy.nsimplify(0) + problem.evaluate(choice)
+    step = sympy.nsimplify(0) + problem.evaluate(choice) + table_wise_spread_s(captured, index, choice, mesh)
     nodes = {n.name: formula(n) for n in captured.graph.nodes if n.name in plan.nodes and n.op == "call_function"}
     batch_inputs = [spec.name for spec in plan.inputs if spec.shape and spec.shape[0] == b0]
     return {"symbol": str(BATCH), "traced_batch": b0, "batch_inputs": batch_inputs, "step_s": str(step),

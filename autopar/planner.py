@@ -28,7 +28,8 @@ from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import (
-    OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, unit_links)
+    OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, table_wise_spread_s,
+    unit_links)
 from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, add_table_wise
 from autopar.passes.strategies import enumerate_strategies
 from autopar.solvers import get_solver
@@ -89,7 +90,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                                      "predicted_step_s": None, "bound_s": None}
                 continue
             problem = pinned
-        if best is not None and bound >= best[2].objective_s * (1 - 1e-9):
+        if best is not None and bound >= best[5] * (1 - 1e-9):
             # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
                                  "bound_s": _finite(bound)}
@@ -106,14 +107,16 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                                      repeated, activation_copies, tables_whole=True)
             problem = dataclasses.replace(whole, fixed=problem.fixed, excluded=problem.excluded)
             solution, excess = engine.solve(problem, hint=hint), 0
+        # the fused table-wise exchange waits for the busiest owner; the problem charged the mean
+        spread_s = table_wise_spread_s(captured, index, solution.choice, mesh) if solution.choice else 0.0
         candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
-                             "predicted_step_s": solution.objective_s if solution.choice else None,
+                             "predicted_step_s": solution.objective_s + spread_s if solution.choice else None,
                              "bound_s": _finite(solution.bound_s)}
         if not solution.choice:
             lower_bounds.append(problem.min_memory())
             continue
-        if best is None or solution.objective_s < best[2].objective_s * (1 - 1e-9):
-            best = (mesh, problem, solution, index, excess)
+        if best is None or solution.objective_s + spread_s < best[5] * (1 - 1e-9):
+            best = (mesh, problem, solution, index, excess, solution.objective_s + spread_s)
     candidates = [candidates[k] for k in sorted(candidates)]
     for name in (*BASELINES, *BASELINES_2D) if baselines else ():  # e.g. no 2-D mesh on this cluster
         found_baselines.setdefault(name, {"predicted_step_s": None, "feasible": False})
@@ -124,8 +127,9 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                            "degree), or the model has none of the layers it parallelises")
     if best is None:
         raise _infeasible(cluster, min(lower_bounds) if lower_bounds else 0, candidates)
-    mesh, problem, solution, index, excess = best
-    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, found_baselines, excess)
+    mesh, problem, solution, index, excess, step_s = best
+    plan = _to_plan(captured, cluster, mesh, problem, solution, index, candidates, optimizer, found_baselines, excess,
+                    step_s)
     plan_s = time.perf_counter() - start
     object.__setattr__(plan, "timings", {"plan_s": plan_s, "prepare_s": prepare_s, "solve_s": solution.solve_s,
                                          "solve_total_s": plan_s - prepare_s})
@@ -281,10 +285,12 @@ def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) 
 
 
 def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
-             index: ProblemIndex, candidates, optimizer: str, baselines: dict, table_excess: int = 0) -> Plan:
+             index: ProblemIndex, candidates, optimizer: str, baselines: dict, table_excess: int = 0,
+             step_s: float | None = None) -> Plan:
     """Every graph node (copies of repeated layers included) gets its problem node's choice.
     ``table_excess``: bytes the busiest table-wise owner holds beyond the even split the
-    problem charged (the plan's memory is the busiest device's)."""
+    problem charged (the plan's memory is the busiest device's); ``step_s``: the step time
+    with the table-wise owners' real spread (default: the solver's objective)."""
     incident: dict[str, list] = {}
     for (producer, consumer, _arg), k in index.edge_of.items():
         incident.setdefault(producer, []).append((problem.edges[k], True))
@@ -337,8 +343,8 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                  "devices_per_host": cluster.devices_per_host, "memory_limit_bytes": cluster.memory_limit_bytes},
         mesh_shape=mesh.shape, mesh_dim_names=mesh.dim_names, inputs=tuple(captured.inputs),
         nodes=nodes, parameters=parameters, buffers=buffers,
-        predicted_step_s=solution.objective_s, predicted_compute_s=compute_total,
-        predicted_comm_s=solution.objective_s - compute_total,
+        predicted_step_s=step_s if step_s is not None else solution.objective_s, predicted_compute_s=compute_total,
+        predicted_comm_s=(step_s if step_s is not None else solution.objective_s) - compute_total,
         memory=MemoryBreakdown(per_copy, per_copy, per_copy * states, memory["act"]),
         solver={"name": "cpsat", "status": solution.status, "method": solution.method,
                 "objective_s": solution.objective_s,

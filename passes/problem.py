@@ -179,6 +179,26 @@ def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device:
     return sparse_exchange_s(node.meta[LOOKUP_KEY], strategy, mesh) if strategy.exchange else 0.0
 
 
+def _table_wise_members(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec
+                        ) -> dict[int, list[tuple[str, int, int, int]]]:
+    """Per mesh dim placed "O": (FQN — as the plan names owners —, pooled bytes, table bytes,
+    devices of the other mesh dims the pooled bags are split over) of the tables the choice
+    places table-wise."""
+    by_dim: dict[int, list[tuple[str, int, int, int]]] = {}
+    for node in captured.graph.nodes:
+        q = index.node_of.get(node.name)
+        if q is None or LOOKUP_KEY not in node.meta:
+            continue
+        strategy = index.strategies[q][choice[q]]
+        if strategy.exchange == TABLE_WISE:
+            table, dim = node.args[0], strategy.inputs[0].index(OWNED)
+            others = math.prod(size for k, (p, size) in enumerate(zip(strategy.outputs[0], mesh.shape))
+                               if k != dim and p.startswith("S("))
+            by_dim.setdefault(dim, []).append((captured.parameter_of[table.name], node.meta[LOOKUP_KEY].result_bytes,
+                                               tensor_bytes(table.meta["val"]), others))
+    return by_dim
+
+
 def table_wise_excess(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec,
                       optimizer: str = "adamw") -> int:
     """Bytes the busiest device holds beyond what the problem charged for table-wise tables
@@ -186,23 +206,28 @@ def table_wise_excess(captured: Captured, index: ProblemIndex, choice: list[int]
     picks for this choice: per mesh dim, the busiest owner's tables (with gradients and
     optimizer states) minus the even shares."""
     copies = 2 + OPTIMIZER_STATES[optimizer]
-    by_dim: dict[int, list[tuple[str, int, int]]] = {}
-    for node in captured.graph.nodes:
-        q = index.node_of.get(node.name)
-        if q is None or LOOKUP_KEY not in node.meta:
-            continue
-        strategy = index.strategies[q][choice[q]]
-        if strategy.exchange == TABLE_WISE:
-            table = node.args[0]
-            by_dim.setdefault(strategy.inputs[0].index(OWNED), []).append(  # by FQN, as the plan names owners
-                (captured.parameter_of[table.name], node.meta[LOOKUP_KEY].result_bytes, tensor_bytes(table.meta["val"])))
     excess = 0
-    for dim, members in by_dim.items():
+    for dim, members in _table_wise_members(captured, index, choice, mesh).items():
         n = mesh.shape[dim]
-        owners = table_owners(members, n)
-        held = [sum(copies * nbytes for name, _, nbytes in members if owners[name] == k) for k in range(n)]
-        excess += max(held) - sum(copies * nbytes // n for _, _, nbytes in members)
+        owners = table_owners([m[:3] for m in members], n)
+        held = [sum(copies * nbytes for name, _, nbytes, _ in members if owners[name] == k) for k in range(n)]
+        excess += max(held) - sum(copies * nbytes // n for _, _, nbytes, _ in members)
     return max(excess, 0)
+
+
+def table_wise_spread_s(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec) -> float:
+    """Time the fused table-wise exchange takes beyond what the problem charged (the tables
+    spread evenly over the owners, passes.sparse.table_wise_s), with the owners picked for
+    this choice: the all-to-all, forward and backward, waits for the owner sending the most
+    pooled bags — (n−1)/n of them, against (n−1)/n of the mean owner's."""
+    extra = 0.0
+    for dim, members in _table_wise_members(captured, index, choice, mesh).items():
+        n = mesh.shape[dim]
+        owners = table_owners([m[:3] for m in members], n)
+        sent = [sum(pooled / others for name, pooled, _, others in members if owners[name] == k) for k in range(n)]
+        volume = n * (max(sent) - sum(sent) / n)  # all_to_all_s of n·x bytes: (n−1)/n · x per device
+        extra += 2 * all_to_all_s(volume, n, dataclasses.replace(mesh.links[dim], latency_s=0.0))
+    return extra
 
 
 def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:

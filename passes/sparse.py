@@ -248,7 +248,8 @@ def table_wise_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None)
     """A table-wise lookup's share of the fused all-to-all, forward and backward: its owner
     sends (n−1)/n of the pooled rows, and with the tables spread evenly over the n owners each
     device sends 1/n of all tables' — (n−1)/n² of this table's bytes, the all-to-all's volume —
-    while the collective's latency is paid once for the ``lookup.fused`` tables."""
+    while the collective's latency is paid once for the ``lookup.fused`` tables. (The planner
+    adds what the busiest owner sends beyond that mean, passes.problem.table_wise_spread_s.)"""
     links = links or mesh.links
     d = strategy.inputs[0].index(OWNED)
     n, link = mesh.shape[d], links[d]

@@ -3,8 +3,9 @@ Parallax's closed-form volumes, and the DLRM equivalence in real gloo processes.
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import autopar
 import models
 from autopar.cli import summary_json
 from autopar.cluster import Cluster
+from autopar.comm import all_to_all_s
+from autopar.mesh import checked_mesh
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
@@ -188,7 +191,13 @@ def test_table_wise_memory_is_the_busiest_owners():
     assert plan.memory.optimizer_bytes == 2 * plan.memory.params_bytes
     captured = capture(model, inputs)
     annotate_lookups(captured, inputs)
-    assert recost(captured, plan, Cluster.from_spec("4xcpu"))[1] == plan.memory.total_bytes
+    step, memory = recost(captured, plan, Cluster.from_spec("4xcpu"))
+    assert memory == plan.memory.total_bytes and step == pytest.approx(plan.predicted_step_s, rel=1e-12)
+    # the fused exchange waits for the busiest owner: owners 0 and 1 send one table's 512 pooled
+    # 16-float bags each (32 KiB), 2 and 3 none: 16 KiB above the mean, forward and backward
+    link = dataclasses.replace(checked_mesh(Cluster.from_spec("4xcpu"), (4,)).links[0], latency_s=0.0)
+    spread = plan.predicted_step_s - plan.solver["objective_s"]
+    assert spread == pytest.approx(2 * all_to_all_s(4 * (512 * 16 * 4 - 512 * 16 * 4 / 2), 4, link), rel=1e-9)
     # just enough memory for that owner: both big tables still table-wise (charging every
     # table whole on every device, as before, would not fit them both)
     fitted = autopar.plan(model, inputs, **options, memory_limit=plan.memory.total_bytes)

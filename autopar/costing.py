@@ -14,15 +14,11 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, checked_mesh
 from autopar.plan import Plan, placement_text
 from autopar.problem import ShardingProblem
-from autopar.passes.expert_dispatch import add_expert_dispatch
-from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import (
-    ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, table_wise_spread_s, unit_links)
-from autopar.passes.sparse import add_sparse_exchange, add_table_wise
-from autopar.passes.strategies import enumerate_strategies
+    ProblemIndex, annotate_strategies, build_problem, lookup_exchange_s, table_wise_by_owners, unit_links)
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 
 
@@ -34,8 +30,8 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
     exchange waits for the busiest owner (owners as the planner picks them)."""
     mesh = checked_mesh(cluster, plan.mesh_shape)
     problem, index, choice = planned_problem(captured, plan, cluster, mesh, optimizer)
-    return (problem.evaluate(choice) + table_wise_spread_s(captured, index, choice, mesh),
-            problem.memory(choice) + table_wise_excess(captured, index, choice, mesh, optimizer))
+    excess, spread_s = table_wise_by_owners(captured, index, choice, mesh, optimizer)
+    return problem.evaluate(choice) + spread_s, problem.memory(choice) + excess
 
 
 def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> float:
@@ -56,7 +52,7 @@ def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, exam
     mesh = checked_mesh(cluster, plan.mesh_shape)
     problem, index, choice = planned_problem(captured, plan, cluster, mesh, plan.options.get("optimizer", "adamw"),
                                           symbolic=True)
-    step = sympy.nsimplify(0) + problem.evaluate(choice) + table_wise_spread_s(captured, index, choice, mesh)
+    step = sympy.nsimplify(0) + problem.evaluate(choice) + table_wise_by_owners(captured, index, choice, mesh)[1]
     nodes = {n.name: formula(n) for n in captured.graph.nodes if n.name in plan.nodes and n.op == "call_function"}
     batch_inputs = [spec.name for spec in plan.inputs if spec.shape and spec.shape[0] == b0]
     return {"symbol": str(BATCH), "traced_batch": b0, "batch_inputs": batch_inputs, "step_s": str(step),
@@ -71,11 +67,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
                            "re-plan instead")
     annotate_costs(captured.graph)
     annotate_saved(captured.graph)
-    enumerate_strategies(captured.graph, mesh.shape)
-    add_sparse_exchange(captured.graph)
-    add_table_wise(captured.graph, mesh.shape)
-    add_owned_stacks(captured.graph, mesh.shape)
-    add_expert_dispatch(captured.graph, mesh.shape)
+    annotate_strategies(captured, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic)
     choice = []

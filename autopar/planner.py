@@ -22,16 +22,13 @@ from autopar.plan_sections import expert_layers, sparse_tables
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
-from autopar.passes.expert_dispatch import add_expert_dispatch
-from autopar.passes.stack_experts import add_owned_stacks
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.problem import (
-    OPTIMIZER_STATES, ProblemIndex, build_problem, lookup_exchange_s, table_wise_excess, table_wise_spread_s,
+    OPTIMIZER_STATES, ProblemIndex, annotate_strategies, build_problem, lookup_exchange_s, table_wise_by_owners,
     unit_links)
-from autopar.passes.sparse import LOOKUP_KEY, add_sparse_exchange, add_table_wise
-from autopar.passes.strategies import enumerate_strategies
+from autopar.passes.sparse import LOOKUP_KEY
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
@@ -65,7 +62,7 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
     repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
     prepared = []
     for order, mesh in enumerate(meshes):
-        _strategies_for(captured, mesh, repeated)
+        annotate_strategies(captured, mesh.shape, skip=repeated)
         problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                        repeated, activation_copies)
         prepared.append((engine.lower_bound(problem), order, mesh, problem, index))
@@ -97,18 +94,22 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
             continue
         log.info("mesh %s: solving (%d nodes, %d edges)", list(mesh.shape), problem.num_nodes, len(problem.edges))
         solution = engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
-        excess = table_wise_excess(captured, index, solution.choice, mesh, optimizer) if solution.choice else 0
+        # the problem charged the table-wise tables evenly spread over their owners: the owners
+        # picked for this choice hold (and send) more on the busiest device
+        excess, spread_s = table_wise_by_owners(captured, index, solution.choice, mesh, optimizer) \
+            if solution.choice else (0, 0.0)
         if excess and problem.memory(solution.choice) + excess > problem.memory_limit_bytes:
             # the owners cannot spread the table-wise tables evenly enough: charge them whole
             # on every device (a bound whatever the owners) and solve again
             log.info("mesh %s: table-wise owners %d bytes over the even split; solving again", list(mesh.shape), excess)
-            _strategies_for(captured, mesh, repeated)  # the graph holds the last candidate mesh's
+            annotate_strategies(captured, mesh.shape, skip=repeated)  # the graph holds the last candidate mesh's
             whole, _ = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                      repeated, activation_copies, tables_whole=True)
             problem = dataclasses.replace(whole, fixed=problem.fixed, excluded=problem.excluded)
-            solution, excess = engine.solve(problem, hint=hint), 0
-        # the fused table-wise exchange waits for the busiest owner; the problem charged the mean
-        spread_s = table_wise_spread_s(captured, index, solution.choice, mesh) if solution.choice else 0.0
+            solution = engine.solve(problem, hint=hint)
+            spread_s = table_wise_by_owners(captured, index, solution.choice, mesh, optimizer)[1] \
+                if solution.choice else 0.0
+            excess = 0  # charged whole: the busiest owner holds no more
         candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
                              "predicted_step_s": solution.objective_s + spread_s if solution.choice else None,
                              "bound_s": _finite(solution.bound_s)}
@@ -135,15 +136,6 @@ def make_plan(captured: Captured, cluster: Cluster, *, optimizer: str = "adamw",
                                          "solve_total_s": plan_s - prepare_s})
     log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
     return plan
-
-
-def _strategies_for(captured: Captured, mesh: MeshSpec, repeated: dict[str, str]) -> None:
-    """Every node's strategies on ``mesh`` (DTensor's, and the twins autopar adds), in node.meta."""
-    enumerate_strategies(captured.graph, mesh.shape, skip=repeated)
-    add_sparse_exchange(captured.graph)
-    add_table_wise(captured.graph, mesh.shape)
-    add_owned_stacks(captured.graph, mesh.shape)
-    add_expert_dispatch(captured.graph, mesh.shape)
 
 
 def _unclustered_variables(problem: ShardingProblem) -> int:

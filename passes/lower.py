@@ -39,10 +39,10 @@ from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
-from autopar.passes.expert_dispatch import DISPATCHED, Dispatch, segment_module
 from autopar.passes.expert_order import Relabel, apply_relabel
+from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
 from autopar.passes.grad_sync import GradientSync
-from autopar.passes.sparse import POOLS, TABLE_WISE
+from autopar.passes.sparse import TABLE_WISE
 from autopar.passes.stack_experts import expert_members, owned_dim, owner
 
 MESH_ATTR = "_autopar_mesh"
@@ -260,7 +260,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
         produced[new.name] = planned
     replicated = ",".join(["R"] * len(plan.mesh_shape))
-    _fuse_dispatches(gm, plan, mesh_node, produced)
+    fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.name != mesh_node.name:
@@ -311,7 +311,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         if not nplan.inputs and nplan.outputs:
             new = _insert_after(graph, node, runtime.replicate_constant, (node, mesh_node))
             produced[new.name] = produced[node.name]
-    _fuse_table_wise(graph, plan, mesh_node, table_wise)
+    fuse_table_wise(graph, plan, mesh_node, table_wise)
     out = graph.output_node()
     flat, _ = tree_flatten(out.args)
     for arg in {a for a in flat if isinstance(a, torch.fx.Node)}:
@@ -319,121 +319,6 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             full = graph.call_function(runtime.to_full, (arg,))
         out.replace_input_with(arg, full)
     graph.lint()
-
-
-def _fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.Node, produced: dict) -> None:
-    """Replace each MoE layer's dispatched segment (experts gathered per token whose rows go to
-    their owners, passes.expert_dispatch) by one ``runtime.dispatch_experts`` call: the
-    segment becomes a submodule the call runs on the owners."""
-    graph = gm.graph
-    for k, (module, layer) in enumerate(sorted(plan.experts.items())):
-        entry = layer.get("dispatch")
-        if not entry:
-            continue
-        by_name = {n.name: n for n in graph.nodes}
-        present = [name for name in entry["segment"] if name in by_name]
-        if not present:
-            continue  # a pipeline stage without this layer
-        if len(present) != len(entry["segment"]) or entry["ids"] not in by_name:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"MoE layer {module}: the nodes its experts' rows run through on "
-                               "their owners are not all in this graph (a pipeline stage cut between them?); "
-                               "re-plan this model")
-        dispatch = Dispatch.from_plan(entry)
-        segment = segment_module(graph, dispatch)
-        attr = f"_autopar_dispatch_{k}"
-        setattr(gm, attr, segment)
-        ids, inputs = by_name[dispatch.ids], [by_name[name] for name in dispatch.inputs]
-        weights = [by_name[g].args[0] for g in dispatch.gathers]
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        last = max([ids, *inputs, *weights], key=position.get)
-        row_spec = ",".join("S(0)" if p == DISPATCHED else p for p in plan.nodes[dispatch.ids].outputs[0].split(","))
-        out_specs = [plan.nodes[name].outputs[0] for name in dispatch.outputs]
-        with graph.inserting_after(last), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            segment_node = graph.get_attr(attr)
-        with graph.inserting_after(segment_node):
-            fused = graph.call_function(runtime.dispatch_experts, (
-                segment_node, mesh_node, entry["dim"], dispatch.experts, ids, inputs, list(dispatch.row_inputs),
-                weights, [plan.nodes[g].inputs[0] for g in dispatch.gathers], row_spec, out_specs))
-        anchor = fused
-        for t, name in enumerate(dispatch.outputs):
-            with graph.inserting_after(anchor):
-                result = graph.call_function(operator.getitem, (fused, t))
-            result.meta["val"] = by_name[name].meta.get("val")
-            by_name[name].replace_all_uses_with(result)
-            produced[result.name] = out_specs[t]
-            anchor = result
-        for name in reversed(dispatch.segment):
-            graph.erase_node(by_name[name])
-
-
-def _fuse_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node, lookups: list[torch.fx.Node]) -> None:
-    """Replace table-wise lookups and their bag pooling by ``runtime.table_wise_lookups``
-    calls, one per run of lookups (same mesh dim, same dtype) whose tables and ids all exist
-    before any pooled result is used — in a DLRM, one for all tables."""
-    position = {n: k for k, n in enumerate(graph.nodes)}
-    pending: list[tuple[torch.fx.Node, torch.fx.Node]] = []
-    for lookup in sorted(lookups, key=position.get):
-        pool = _pool_after(lookup)
-        if pool is None:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"lookup {lookup.name} is planned table-wise, but no bag sum or "
-                               "mean alone reads its rows in this model; re-plan this model")
-        run = pending + [(lookup, pool)]
-        ready = max(position[a] for lk, _ in run for a in lk.args[:2])
-        first_use = min(position[u] for _, p in run for u in p.users)
-        same = len({(plan.nodes[lk.name].inputs[0], plan.nodes[lk.name].outputs[0], lk.meta["val"].dtype)
-                    for lk, _ in run}) == 1  # one mesh dim, one batch split, one dtype
-        if pending and not (ready < first_use and same):
-            _emit_table_wise(graph, plan, mesh_node, pending)
-            run = [(lookup, pool)]
-        pending = run
-    if pending:
-        _emit_table_wise(graph, plan, mesh_node, pending)
-
-
-def _pool_after(lookup: torch.fx.Node) -> torch.fx.Node | None:
-    """The bag's sum/mean reading ``lookup`` (through the redistribute lowering may have put between)."""
-    node = lookup
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user.target is runtime.redistribute:
-            node = user
-            continue
-        return user if user.target in POOLS else None
-    return None
-
-
-def _emit_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node,
-                     run: list[tuple[torch.fx.Node, torch.fx.Node]]) -> None:
-    position = {n: k for k, n in enumerate(graph.nodes)}
-    last_input = max((a for lookup, _ in run for a in lookup.args[:2]), key=position.get)
-    specs = [plan.nodes[lookup.name].outputs[0] for lookup, _ in run]  # pooled: the lookup's batch split
-    args = ([lookup.args[0] for lookup, _ in run], [lookup.args[1] for lookup, _ in run], mesh_node,
-            owned_dim(plan.nodes[run[0][0].name].inputs[0]),
-            [(tuple(pool.args[1]), pool.target is torch.ops.aten.mean.dim) for _, pool in run],
-            [tuple(pool.meta["val"].shape[1:]) for _, pool in run], specs)
-    with graph.inserting_after(last_input):
-        fused = graph.call_function(runtime.table_wise_lookups, args)
-    anchor = fused
-    for t, (lookup, pool) in enumerate(run):
-        with graph.inserting_after(anchor):
-            result = graph.call_function(operator.getitem, (fused, t))
-        result.meta["val"] = pool.meta["val"]
-        anchor = result
-        wanted = plan.nodes[pool.name].outputs[0]
-        if wanted != specs[t]:  # the pooled rows where the plan wants them
-            with graph.inserting_after(anchor):
-                result = graph.call_function(runtime.redistribute, (result, mesh_node, wanted))
-            result.meta["val"] = pool.meta["val"]
-            anchor = result
-        pool.replace_all_uses_with(result)
-        dead = [pool]
-        node = pool.args[0]
-        while node is not lookup:
-            dead.append(node)
-            node = node.args[0]
-        for node in [*dead, lookup]:
-            graph.erase_node(node)
 
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,

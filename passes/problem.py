@@ -37,15 +37,16 @@ from autopar.mesh import MeshSpec
 from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
-from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED, EXPERT_DISPATCH, dispatch_s
+from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.sparse import (
-    LOOKUP_KEY, TABLE_WISE, UNIT_LINK, owned_table_options, sparse_exchange_s, table_owners, table_wise_tables)
-from autopar.passes.stack_experts import OWNED, expert_members, owned_leaf_options
+    LOOKUP_KEY, TABLE_WISE, UNIT_LINK, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
+    table_owners, table_wise_tables)
+from autopar.passes.stack_experts import OWNED, add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
-    FALLBACK_KEY, STRATEGIES_KEY, Strategy, evenly_sharded, leaf_candidates, output_vals, tensor_args,
-    work_split)
+    FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, leaf_candidates, output_vals,
+    tensor_args, work_split)
 
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 OUTPUT = "<output>"
@@ -75,7 +76,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     stack nodes' twins come from :func:`add_owned_stacks`), and so may sparse tables whose
     lookups have table-wise twins (passes.sparse.add_table_wise). A table-wise table counts
     1/n of its bytes on each of the n devices of its dim (owners spread the tables; the
-    planner checks the owners it picks, :func:`table_wise_excess`), or with ``tables_whole``
+    planner checks the owners it picks, :func:`table_wise_by_owners`), or with ``tables_whole``
     all of them on every device (a bound that holds whatever the owners)."""
     graph = captured.graph
     repeated = repeated or {}
@@ -199,35 +200,37 @@ def _table_wise_members(captured: Captured, index: ProblemIndex, choice: list[in
     return by_dim
 
 
-def table_wise_excess(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec,
-                      optimizer: str = "adamw") -> int:
-    """Bytes the busiest device holds beyond what the problem charged for table-wise tables
-    (1/n of each on every device of its dim), with the owners :func:`passes.sparse.table_owners`
-    picks for this choice: per mesh dim, the busiest owner's tables (with gradients and
-    optimizer states) minus the even shares."""
+def table_wise_by_owners(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec,
+                         optimizer: str = "adamw") -> tuple[int, float]:
+    """What the problem's even spread of table-wise tables over their owners (1/n of each table
+    on every device of its dim, passes.sparse.table_wise_s's exchange) leaves out, with the
+    owners :func:`passes.sparse.table_owners` picks for this choice, per mesh dim: the bytes
+    the busiest owner holds beyond the even shares (its tables, gradients and optimizer
+    states), and the time the fused all-to-all, forward and backward, waits for the owner
+    sending the most pooled bags — (n−1)/n of them, against (n−1)/n of the mean owner's."""
     copies = 2 + OPTIMIZER_STATES[optimizer]
-    excess = 0
+    excess, extra_s = 0, 0.0
     for dim, members in _table_wise_members(captured, index, choice, mesh).items():
         n = mesh.shape[dim]
         owners = table_owners([m[:3] for m in members], n)
         held = [sum(copies * nbytes for name, _, nbytes, _ in members if owners[name] == k) for k in range(n)]
         excess += max(held) - sum(copies * nbytes // n for _, _, nbytes, _ in members)
-    return max(excess, 0)
-
-
-def table_wise_spread_s(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec) -> float:
-    """Time the fused table-wise exchange takes beyond what the problem charged (the tables
-    spread evenly over the owners, passes.sparse.table_wise_s), with the owners picked for
-    this choice: the all-to-all, forward and backward, waits for the owner sending the most
-    pooled bags — (n−1)/n of them, against (n−1)/n of the mean owner's."""
-    extra = 0.0
-    for dim, members in _table_wise_members(captured, index, choice, mesh).items():
-        n = mesh.shape[dim]
-        owners = table_owners([m[:3] for m in members], n)
         sent = [sum(pooled / others for name, pooled, _, others in members if owners[name] == k) for k in range(n)]
         volume = n * (max(sent) - sum(sent) / n)  # all_to_all_s of n·x bytes: (n−1)/n · x per device
-        extra += 2 * all_to_all_s(volume, n, dataclasses.replace(mesh.links[dim], latency_s=0.0))
-    return extra
+        extra_s += 2 * all_to_all_s(volume, n, dataclasses.replace(mesh.links[dim], latency_s=0.0))
+    return max(excess, 0), extra_s
+
+
+def annotate_strategies(captured: Captured, mesh_shape: tuple[int, ...], skip: dict[str, str] | None = None) -> None:
+    """Every node's strategies on a mesh of ``mesh_shape`` in node.meta: DTensor's
+    (passes.strategies), and the twins autopar adds — sparse exchanges and table-wise
+    lookups (passes.sparse), experts on their owners (passes.stack_experts), dispatched
+    experts (passes.expert_dispatch). ``skip``: nodes of repeated layers (not enumerated)."""
+    enumerate_strategies(captured.graph, mesh_shape, skip=skip or frozenset())
+    add_sparse_exchange(captured.graph)
+    add_table_wise(captured.graph, mesh_shape)
+    add_owned_stacks(captured.graph, mesh_shape)
+    add_expert_dispatch(captured.graph, mesh_shape)
 
 
 def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
@@ -315,8 +318,9 @@ def unit_links(mesh: MeshSpec) -> MeshSpec:
 
 def lookup_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
                       mesh: MeshSpec) -> float:
-    """Time of the sparse row exchanges the chosen lookup strategies make, every copy of a
-    repeated node counted (on :func:`unit_links` meshes: the bytes one device sends)."""
+    """Time of the exchanges the chosen strategies make themselves — lookups' sparse rows,
+    experts' dispatched rows — every copy of a repeated node counted (on :func:`unit_links`
+    meshes: the bytes one device sends)."""
     lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
     dispatches = {n.name: n for n in captured.graph.nodes if DISPATCH_KEY in n.meta}
     total = 0.0

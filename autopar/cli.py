@@ -117,7 +117,9 @@ def summary_json(plan) -> dict:
         "peak_memory_bytes": [st.memory.total_bytes for st in (*plan.stages, *plan.replicas) for _ in st.ranks]
         or [plan.memory.total_bytes] * plan.num_devices,
         "memory_limit_bytes": [limit] * plan.num_devices,
-        "baselines": plan.baselines,
+        "family": plan.family,  # which planning family made it: one_mesh, pipeline, replicas
+        "families": plan.families,  # what each family tried predicted (or why it did not apply)
+        "baselines": plan.baselines,  # hand-written configurations on this cluster
         "parameters": {fqn: {"placement": p.placement, "exchange": p.exchange} for fqn, p in plan.parameters.items()},
         "solver": {"status": plan.solver["status"].lower(), "objective": plan.solver["objective_s"],
                    "bound": plan.solver["bound_s"], "solve_s": plan.timings.get("solve_s") if plan.timings else None,
@@ -297,8 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, description=help_text, epilog="example:\n  " +
-                              EXAMPLES[name].replace("\n", "\n  "), formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, epilog="example:\n  " +
+                                    EXAMPLES[name].replace("\n", "\n  "),
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub_parser.add_argument("-v", "--verbose", action="store_true",
+                                help="log the planner's phases (capture, each mesh's solve, timings) to stderr")
+        return sub_parser
 
     p = command("plan", "plan a saved model (.pt2, .pt, or package.module:factory) for a cluster")
     p.add_argument("model")
@@ -364,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse exits with 2 on usage errors
+    if args.verbose:  # the phases as log lines, also where no spinner shows (pipes, CI logs)
+        logging.basicConfig(format="%(name)s: %(message)s")
+        logging.getLogger("autopar").setLevel(logging.INFO)
     try:
         return args.run(args)
     except UsageError as exc:

@@ -20,31 +20,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from autopar.devices import DeviceSpec, get_device
+from autopar.devices import DeviceSpec, Link, get_device
 from autopar.errors import AutoparError, ErrorKind
-
-
-@dataclass(frozen=True)
-class Link:
-    """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s).
-
-    ``collective_efficiency`` (measured by ``autopar profile``): the fraction of the ideal
-    formula's speed the collective library reaches per collective kind (gloo, for one, runs a
-    reduce-scatter as an all-reduce); 1 for kinds not listed."""
-
-    bandwidth_Bps: float
-    latency_s: float
-    collective_efficiency: tuple[tuple[str, float], ...] = ()
-
-    def efficiency(self, kind: str) -> float:
-        return dict(self.collective_efficiency).get(kind, 1.0)
-
-    @classmethod
-    def of_device(cls, device: "DeviceSpec", inter_node: bool) -> "Link":
-        """The default link between two of ``device``'s kind, in one node or across nodes."""
-        if inter_node:
-            return cls(device.inter_node_bandwidth_Bps, device.inter_node_latency_s, device.collective_efficiency)
-        return cls(device.intra_node_bandwidth_Bps, device.intra_node_latency_s, device.collective_efficiency)
 
 
 _SHORTHAND = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*x\s*([A-Za-z][\w.\-]*)\s*$")
@@ -79,7 +56,9 @@ class Cluster:
         if isinstance(spec, str) and spec.strip().endswith((".yaml", ".yml")):
             from autopar.cluster_file import load_cluster_file
 
-            return cls.from_spec(load_cluster_file(spec), memory_limit_bytes)
+            fields = load_cluster_file(spec)  # this Cluster's fields, and each region's as its own
+            regions = tuple((name, cls(**region)) for name, region in fields.pop("region_clusters", ()))
+            return cls.from_spec(cls(**fields, region_clusters=regions), memory_limit_bytes)
         if not isinstance(spec, str):
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"cluster must be a string like '8xH100' or a Cluster, got {type(spec).__name__}")
@@ -173,6 +152,11 @@ class Cluster:
         if self.hosts == 1:
             return f"{self.devices_per_host}x{self.device.name}"
         return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"
+
+    def plan_header(self) -> dict:
+        """What a plan records of its cluster (``plan.cluster``)."""
+        return {"spec": self.describe(), "device": self.device.name, "hosts": self.hosts,
+                "devices_per_host": self.devices_per_host, "memory_limit_bytes": self.memory_limit_bytes}
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ import dataclasses
 
 import yaml
 
-from autopar.cluster import Cluster, Link
-from autopar.devices import COLLECTIVES, OP_CLASSES, DeviceSpec, get_device
+from autopar.devices import COLLECTIVES, OP_CLASSES, DeviceSpec, Link, get_device
 from autopar.errors import AutoparError, ErrorKind
 
 GB = 10**9
@@ -47,7 +46,7 @@ def _lines(node, path=()) -> dict[tuple, int]:
     return found
 
 
-def load_cluster_file(path: str) -> Cluster:
+def load_cluster_file(path: str) -> dict:
     try:
         with open(path) as f:
             text = f.read()
@@ -63,7 +62,10 @@ def load_cluster_file(path: str) -> Cluster:
     return parse_cluster(data, path, lines)
 
 
-def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) -> Cluster:
+def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) -> dict:
+    """The fields of the file's ``autopar.cluster.Cluster`` (which builds itself from them:
+    this module stays below it); with regions that differ, ``region_clusters`` holds each
+    region's fields."""
     lines = lines or {}
 
     def where(*key) -> str:
@@ -91,20 +93,20 @@ def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) ->
         if memory <= 0:
             raise _fail(where(*(("regions", name) if "regions" in data else ())),
                         f"memory reservation {spec['reserve']} bytes leaves no memory on {spec['device'].name}")
-        own[name] = Cluster(device=spec["device"], hosts=spec["nodes"], devices_per_host=spec["per_node"],
-                            intra_link=spec["intra"], inter_link=spec["inter"], memory_limit_bytes=memory)
+        own[name] = {"device": spec["device"], "hosts": spec["nodes"], "devices_per_host": spec["per_node"],
+                     "intra_link": spec["intra"], "inter_link": spec["inter"], "memory_limit_bytes": memory}
     if len(own) == 1:
         return next(iter(own.values()))
     host_regions = tuple(name for name, s in specs.items() for _ in range(s["nodes"]))
-    slowest = min(own.values(), key=lambda c: (c.device.flops_per_s("float32"), c.device.memory_bandwidth_Bps))
-    uniform = {(c.device.name, c.intra_link, c.inter_link, c.memory_limit_bytes) for c in own.values()}
-    return Cluster(device=_slowest_device([c.device for c in own.values()]), hosts=len(host_regions),
-                   devices_per_host=slowest.devices_per_host,
-                   intra_link=min((c.intra_link for c in own.values()), key=lambda link: link.bandwidth_Bps),
-                   inter_link=min((c.inter_link for c in own.values()), key=lambda link: link.bandwidth_Bps),
-                   memory_limit_bytes=min(c.memory_limit_bytes for c in own.values()),
-                   host_regions=host_regions, wan_links=wan,
-                   region_clusters=tuple(own.items()) if len(uniform) > 1 else ())
+    slowest = min(own.values(), key=lambda c: (c["device"].flops_per_s("float32"), c["device"].memory_bandwidth_Bps))
+    uniform = {(c["device"].name, c["intra_link"], c["inter_link"], c["memory_limit_bytes"]) for c in own.values()}
+    return {"device": _slowest_device([c["device"] for c in own.values()]), "hosts": len(host_regions),
+            "devices_per_host": slowest["devices_per_host"],
+            "intra_link": min((c["intra_link"] for c in own.values()), key=lambda link: link.bandwidth_Bps),
+            "inter_link": min((c["inter_link"] for c in own.values()), key=lambda link: link.bandwidth_Bps),
+            "memory_limit_bytes": min(c["memory_limit_bytes"] for c in own.values()),
+            "host_regions": host_regions, "wan_links": wan,
+            "region_clusters": tuple(own.items()) if len(uniform) > 1 else ()}
 
 
 def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:

@@ -2,7 +2,7 @@
 
 Figures are vendor datasheet numbers for *dense* math (no 2:4 sparsity). ``cpu`` is a
 conservative default for a small x86 host; ``autopar profile`` (cost-model issue) replaces
-it with measured figures.
+it with measured figures. A ``Link`` between two devices defaults to its device's figures.
 
 >>> get_device("H100").name
 'H100-SXM'
@@ -184,6 +184,29 @@ _BY_NAME: dict[str, DeviceSpec] = {}
 for _spec in CATALOG:
     for _key in (_spec.name, *_spec.aliases):
         _BY_NAME[_key.lower()] = _spec
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s).
+
+    ``collective_efficiency`` (measured by ``autopar profile``): the fraction of the ideal
+    formula's speed the collective library reaches per collective kind (gloo, for one, runs a
+    reduce-scatter as an all-reduce); 1 for kinds not listed."""
+
+    bandwidth_Bps: float
+    latency_s: float
+    collective_efficiency: tuple[tuple[str, float], ...] = ()
+
+    def efficiency(self, kind: str) -> float:
+        return dict(self.collective_efficiency).get(kind, 1.0)
+
+    @classmethod
+    def of_device(cls, device: DeviceSpec, inter_node: bool) -> "Link":
+        """The default link between two of ``device``'s kind, in one node or across nodes."""
+        if inter_node:
+            return cls(device.inter_node_bandwidth_Bps, device.inter_node_latency_s, device.collective_efficiency)
+        return cls(device.intra_node_bandwidth_Bps, device.intra_node_latency_s, device.collective_efficiency)
 
 
 def get_device(name: str) -> DeviceSpec:

@@ -114,10 +114,14 @@ def render(plan: Plan) -> str:
     if plan.replicas:
         body.append("<h2>Data-parallel replicas</h2>" + _rich_table(replicas_table(plan)))
     body.append("<h2>Baselines</h2><table><tr><th>plan</th><th>predicted step</th><th>vs autopar</th></tr>"
-                f"<tr><td>autopar</td><td>{format_seconds(plan.predicted_step_s)}</td><td>1.00</td></tr>")
-    for name, b in sorted(plan.baselines.items()):
+                f"<tr><td>autopar ({html.escape(plan.family)})</td><td>{format_seconds(plan.predicted_step_s)}</td>"
+                "<td>1.00</td></tr>")
+    others = {f"family {name}": entry for name, entry in plan.families.items() if name != plan.family}
+    for name, b in [*others.items(), *sorted(plan.baselines.items())]:
         step = b.get("predicted_step_s")
-        shown = (format_seconds(step), f"{step / plan.predicted_step_s:.2f}") if step else ("not evaluated", "")
+        why = b.get("skipped") or b.get("reason")
+        shown = (format_seconds(step), f"{step / plan.predicted_step_s:.2f}") if step else \
+            (html.escape("infeasible" + (f": {why}" if why else "")), "")
         body.append(f"<tr><td>{html.escape(name)}</td><td>{shown[0]}</td><td>{shown[1]}</td></tr>")
     body.append("</table>")
     body.append(_layer_map(plan))

@@ -22,7 +22,7 @@ from typing import Any
 
 from autopar.errors import AutoparError, ErrorKind
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: family and families (the planner's own families apart from baselines)
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -157,7 +157,13 @@ class Plan:
     solver: dict[str, Any]
     mesh_candidates: tuple[dict[str, Any], ...]
     options: dict[str, Any]
-    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> predicted_step_s, feasible
+    # hand-written configurations (ddp, fsdp, megatron_tp, tp_dp) costed on this cluster:
+    # name -> {predicted_step_s, feasible, memory_bytes, reason when infeasible}
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # which planning family made the plan ("one_mesh", "pipeline", "replicas"), and what each
+    # family tried predicted: name -> {predicted_step_s, feasible, skipped (why it did not apply)}
+    family: str = "one_mesh"
+    families: dict[str, dict[str, Any]] = field(default_factory=dict)
     # pipeline: stages in order (empty = one stage over the whole mesh), micro-batches per
     # step, schedule ("1F1B", "GPipe") and the predicted idle fraction (p−1)/(m+p−1);
     # ``inputs`` then describe one micro-batch
@@ -236,6 +242,8 @@ class Plan:
         if not isinstance(d, dict):
             raise AutoparError(ErrorKind.BAD_PLAN, f"{source} holds a JSON {type(d).__name__}, not a plan object")
         version = d.get("schema_version")
+        if version == 1:
+            d, version = _from_version_1(d), SCHEMA_VERSION
         if version != SCHEMA_VERSION:
             hint = "upgrade autopar" if isinstance(version, int) and version > SCHEMA_VERSION else "re-plan the model"
             raise AutoparError(ErrorKind.BAD_PLAN,
@@ -259,7 +267,8 @@ class Plan:
                 replicas=tuple(StagePlan.from_json(st) for st in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
-                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), schema_version=version,
+                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), family=d["family"],
+                families=d["families"], schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,
@@ -267,6 +276,21 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, self.to_json())
+
+
+_FAMILIES_V1 = {"uniform_mesh": "one_mesh", "pipeline": "pipeline", "replicas": "replicas"}
+
+
+def _from_version_1(d: dict) -> dict:
+    """A version-1 plan as version 2: its family from the fields it sets, the planner's own
+    families moved out of its baselines (version 1 listed them there as uniform_mesh,
+    pipeline, replicas)."""
+    baselines = d.get("baselines")
+    if not isinstance(baselines, dict):
+        return d  # malformed: reported by the field checks that follow
+    family = "pipeline" if d.get("stages") else "replicas" if d.get("replicas") else "one_mesh"
+    return {**d, "family": family, "baselines": {k: v for k, v in baselines.items() if k not in _FAMILIES_V1},
+            "families": {_FAMILIES_V1[k]: v for k, v in baselines.items() if k in _FAMILIES_V1}}
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -277,6 +301,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        # mkstemp makes the file 0600; give it the mode any file the user writes gets (0644 under
+        # umask 022). The umask can only be read by setting it: portable, and the instant it is 0
+        # matters only to files another thread creates at that instant.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -294,3 +324,14 @@ def load_plan(path: str | os.PathLike) -> Plan:
         raise AutoparError(ErrorKind.BAD_PLAN,
                            f"{os.fspath(path)} is not a text plan file (undecodable byte at {exc.start})") from exc
     return Plan.from_json(text, source=os.fspath(path))
+
+
+def owned_dim(placement: str) -> int | None:
+    """The mesh dim a placement string places "O" (an expert weight living on its owner,
+    passes.stack_experts), or None.
+
+    >>> owned_dim("R,O"), owned_dim("S(0),R")
+    (1, None)
+    """
+    split = placement.split(",")
+    return split.index("O") if "O" in split else None

@@ -8,8 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.passes.stack_experts import owned_dim
-from autopar.plan import Plan, layer_of_path
+from autopar.plan import Plan, layer_of_path, owned_dim
 from autopar.units import format_bytes, format_seconds
 
 
@@ -273,14 +272,17 @@ def _baselines_table(plan: Plan) -> Table:
     table = Table(title="plan vs baselines (same cost model)")
     for column in ("configuration", "predicted step", "plan is faster by", "memory/device"):
         table.add_column(column)
-    table.add_row("autopar plan", format_seconds(plan.predicted_step_s), "", format_bytes(plan.memory.total_bytes))
-    for name, b in sorted(plan.baselines.items()):
+    table.add_row(f"autopar plan ({plan.family})", format_seconds(plan.predicted_step_s), "",
+                  format_bytes(plan.memory.total_bytes))
+    others = {f"family {name}": entry for name, entry in plan.families.items() if name != plan.family}
+    for name, b in [*others.items(), *sorted(plan.baselines.items())]:
         memory = format_bytes(b["memory_bytes"]) if b.get("memory_bytes") is not None else ""
         if b.get("feasible") and b.get("predicted_step_s"):
             table.add_row(name, format_seconds(b["predicted_step_s"]),
                           f"x{b['predicted_step_s'] / plan.predicted_step_s:.2f}", memory)
         else:
-            table.add_row(name, "infeasible", "", memory)
+            why = b.get("skipped") or b.get("reason")
+            table.add_row(name, "infeasible" + (f": {why}" if why else ""), "", memory)
     return table
 
 

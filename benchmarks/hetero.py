@@ -28,8 +28,9 @@ sys.path[:0] = [os.path.join(HERE, "..", "examples")]
 import autopar  # noqa: E402
 from autopar.cluster import Cluster  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
-from autopar.costing import recost  # noqa: E402
-from autopar.planner import make_plan  # noqa: E402
+from autopar.planning.costing import recost  # noqa: E402
+from autopar.planning import PlanOptions  # noqa: E402
+from autopar.planning.one_mesh import make_plan  # noqa: E402
 from gpt import build  # noqa: E402
 
 GBIT = 0.125  # GB/s per Gbit/s
@@ -69,10 +70,9 @@ def main() -> None:
             start = time.perf_counter()
             plan = autopar.plan(model, inputs, cluster=path, micro_batches=8)
             plan_s = time.perf_counter() - start
-            blind = make_plan(captured, homogeneous_view(cluster), baselines=False)
+            blind = make_plan(captured, homogeneous_view(cluster), PlanOptions(), baselines=False)
             uniform_s, _memory = recost(captured, blind, cluster)
-            feasible = {k: v["predicted_step_s"] for k, v in plan.baselines.items()
-                        if v["feasible"] and k not in ("pipeline", "uniform_mesh", "replicas")}
+            feasible = {k: v["predicted_step_s"] for k, v in plan.baselines.items() if v["feasible"]}
             kind = ("pipeline" if plan.stages else "replicas " + ":".join(str(r.batch) for r in plan.replicas)
                     if plan.replicas else f"mesh {list(plan.mesh_shape)}")
             row = {"scenario": name, "plan": kind,
@@ -81,8 +81,8 @@ def main() -> None:
                    "micro_batches": plan.micro_batches if plan.stages else None,
                    "plan_ms": plan.predicted_step_s * 1e3,
                    "uniform_mesh_blind_ms": uniform_s * 1e3,
-                   **{f"{k}_ms": (plan.baselines.get(k) or {}).get("predicted_step_s") and
-                      plan.baselines[k]["predicted_step_s"] * 1e3 for k in ("uniform_mesh", "pipeline", "replicas")},
+                   **{f"{k}_ms": (plan.families.get(k) or {}).get("predicted_step_s") and
+                      plan.families[k]["predicted_step_s"] * 1e3 for k in ("one_mesh", "pipeline", "replicas")},
                    **{f"{k}_ms": v * 1e3 for k, v in feasible.items()},
                    "speedup_vs_uniform_blind": uniform_s / plan.predicted_step_s,
                    "speedup_vs_best_baseline": min(feasible.values()) / plan.predicted_step_s if feasible else None,

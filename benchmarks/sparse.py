@@ -15,7 +15,7 @@ of a real data set give), passed as ``sparsity=``.
 MoE: a Mixtral-shaped stack (8 experts, top-2) planned on "8xA100-80GB" — which of expert
 parallelism, expert-internal tensor parallelism or replication the ILP picks, and its step
 time against the baselines; and expert placement on skewed loads (max/mean tokens per device
-with experts in their own order vs placed by ``passes.experts.balanced_order``), the loads
+with experts in their own order vs placed by ``solvers.balance.balanced_order``), the loads
 measured from a real router on Zipf-distributed tokens or drawn log-normal; and the placement
 a plan applies (a 64-expert MoE with a skewed router, as a ModuleList and as stacked weights:
 the lowering puts each expert on the device of its slot in the balanced order — a ModuleList's
@@ -49,8 +49,9 @@ from autopar.cluster import Cluster  # noqa: E402
 from autopar.comm import all_reduce_s, all_to_all_s  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.passes.sparse import annotate_lookups  # noqa: E402
-from autopar.costing import communication_bytes  # noqa: E402
-from autopar.passes.experts import annotate_experts, balanced_order, device_loads, imbalance  # noqa: E402
+from autopar.planning.costing import communication_bytes  # noqa: E402
+from autopar.solvers.balance import balanced_order, device_loads, imbalance  # noqa: E402
+from autopar.passes.experts import annotate_experts  # noqa: E402
 from dlrm import DLRM  # noqa: E402
 from models import MoEGPT  # noqa: E402
 

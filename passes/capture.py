@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import logging
 import os
 import traceback
@@ -32,6 +33,11 @@ from autopar.passes.stack_experts import stack_expert_lists
 log = logging.getLogger(__name__)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# Frames in these directories are library code, not the user's: torch's and autopar's folders
+# (passes/ and solvers/ lie beside autopar/ in a checkout), as real paths with a trailing
+# separator, so that a user's own folder named `autopar` or `passes` is not taken for them.
+_LIBRARY_DIRS = tuple(os.path.join(os.path.realpath(os.path.dirname(importlib.util.find_spec(name).origin)), "")
+                      for name in ("torch", "autopar", "autopar.passes", "autopar.solvers"))
 
 
 @dataclass
@@ -188,8 +194,7 @@ def fingerprint(graph: torch.fx.Graph) -> str:
 def _untraceable(model: nn.Module, exc: Exception) -> AutoparError:
     """Name the user's source line that export failed on, and suggest fixes."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_TORCH_DIR) and "/autopar/" not in f.filename
-              and "/passes/" not in f.filename]
+              if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS)]
     where = f"{frames[-1].filename}:{frames[-1].lineno}: `{(frames[-1].line or '').strip()}`" if frames else "unknown location"
     first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     return AutoparError(

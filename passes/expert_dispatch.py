@@ -42,6 +42,7 @@ from autopar.mesh import MeshSpec
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy
 from autopar.passes.values import evaluate
+from autopar.solvers.balance import balanced_order, device_loads, imbalance
 
 aten = torch.ops.aten
 DISPATCH_KEY = "autopar.dispatch"
@@ -318,8 +319,6 @@ def imbalance_of(dispatch: Dispatch, devices: int) -> float:
 
 @functools.lru_cache(maxsize=256)
 def _imbalance(load: tuple[int, ...], devices: int, balanced: bool) -> float:
-    from autopar.passes.experts import balanced_order, device_loads, imbalance
-
     order = balanced_order(load, devices) if balanced else list(range(len(load)))
     return imbalance(device_loads(load, order, devices))
 

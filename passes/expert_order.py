@@ -2,7 +2,7 @@
 
 Expert parallelism gives device d the experts of slots ``d·E/n … (d+1)·E/n − 1``. With a
 skewed router the model's own order can pile the busy experts on one device;
-passes.experts.balanced_order finds an order whose blocks carry even loads. Applying it is a
+solvers.balance.balanced_order finds an order whose blocks carry even loads. Applying it is a
 relabelling of the experts: slot j computes expert ``order[j]``. Two edits do it:
 
   * the weights in slot order. A ModuleList's batched experts (passes.stack_experts): every
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.passes import runtime
+from autopar.passes.dtensor_ops import inverse_order, relabel_experts
 from autopar.passes.values import evaluate
 
 aten = torch.ops.aten
@@ -91,9 +91,9 @@ def apply_relabel(graph: torch.fx.Graph, relabel: Relabel, order: list[int]) -> 
         weights = list(stack.args[0])
         stack.args = ([weights[e] for e in order], *stack.args[1:])
     point = by_name[relabel.node]
-    slots = order if relabel.kind == SCORES else runtime.inverse_order(order)
+    slots = order if relabel.kind == SCORES else inverse_order(order)
     with graph.inserting_after(point):
-        moved = graph.call_function(runtime.relabel_experts, (point, slots, relabel.kind))
+        moved = graph.call_function(relabel_experts, (point, slots, relabel.kind))
     moved.meta["val"] = point.meta.get("val")
     for user in list(point.users):
         if user is not moved:

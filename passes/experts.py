@@ -17,7 +17,7 @@ nodes of the E experts' parameters, which that pass lets live on their owners: "
 
 The router (a ``topk`` over a last dim of the expert count inside the same module) evaluated
 on the example inputs gives the tokens each expert receives. Expert parallelism puts experts
-in contiguous blocks on devices; :func:`balanced_order` finds the order of experts (a
+in contiguous blocks on devices; solvers.balance.balanced_order finds the order of experts (a
 relabelling: the router's outputs and the stacked weights permuted alike, which changes
 nothing in the model's function) whose contiguous blocks carry the most even load. A
 ModuleList's experts, and stacked (E, ...) weights (their rows stored in that order), are
@@ -168,72 +168,3 @@ def _router(graph: torch.fx.Graph, module: str, experts: int) -> torch.fx.Node |
             if (path == "" or module == path or module.startswith(f"{path}.")) and path.count(".") > depth:
                 best, depth = node, path.count(".")
     return best
-
-
-def device_loads(load: tuple[float, ...], order: list[int], devices: int) -> list[float]:
-    """Tokens each device processes when the experts, in ``order``, are cut into ``devices``
-    contiguous blocks (DTensor's ``Shard(0)``)."""
-    per = len(order) // devices
-    return [sum(load[e] for e in order[d * per:(d + 1) * per]) for d in range(devices)]
-
-
-def balanced_order(load: tuple[float, ...], devices: int, time_limit_s: float = 2.0) -> list[int]:
-    """An order of the experts whose contiguous blocks of ``len(load) / devices`` experts carry
-    the most even load: CP-SAT minimises the busiest device's tokens (a small bin-packing
-    with equal bin counts), warm-started from longest-processing-time first; within the time
-    limit the best assignment found is used; the experts keep their order when that is as
-    even. ``len(load)`` must be a multiple of ``devices``."""
-    experts = len(load)
-    per = experts // devices
-    identity = list(range(experts))
-    if devices <= 1 or len(set(load)) <= 1:
-        return identity
-    greedy = _longest_first(load, devices, per)
-    solved = _solve_bins(load, devices, per, greedy, time_limit_s)
-    orders = [[e for b in bins for e in sorted(b)] for bins in (solved, greedy)]
-    # the best of the solver's and the greedy order; the experts stay where they are unless moving helps
-    return min([identity, *orders], key=lambda o: (imbalance(device_loads(load, o, devices)), o != identity))
-
-
-def _longest_first(load, devices: int, per: int) -> list[list[int]]:
-    bins: list[list[int]] = [[] for _ in range(devices)]
-    totals = [0.0] * devices
-    for e in sorted(range(len(load)), key=lambda e: (-load[e], e)):
-        d = min((d for d in range(devices) if len(bins[d]) < per), key=lambda d: (totals[d], d))
-        bins[d].append(e)
-        totals[d] += load[e]
-    return bins
-
-
-def _solve_bins(load, devices: int, per: int, hint: list[list[int]], time_limit_s: float) -> list[list[int]]:
-    from ortools.sat.python import cp_model
-
-    scale = 1 if all(float(x).is_integer() for x in load) else 1000
-    weights = [int(round(x * scale)) for x in load]
-    model = cp_model.CpModel()
-    x = {(e, d): model.NewBoolVar(f"x{e}_{d}") for e in range(len(load)) for d in range(devices)}
-    busiest = model.NewIntVar(0, sum(weights), "busiest")
-    lightest = model.NewIntVar(0, sum(weights), "lightest")
-    for e in range(len(load)):
-        model.AddExactlyOne(x[e, d] for d in range(devices))
-    for d in range(devices):
-        model.Add(sum(x[e, d] for e in range(len(load))) == per)
-        model.Add(sum(weights[e] * x[e, d] for e in range(len(load))) <= busiest)
-        model.Add(sum(weights[e] * x[e, d] for e in range(len(load))) >= lightest)
-    model.Minimize(busiest * (sum(weights) + 1) - lightest)  # the busiest first, then the spread
-    owner = {e: d for d, b in enumerate(hint) for e in b}
-    for (e, d), var in x.items():
-        model.AddHint(var, owner[e] == d)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_workers = 1  # deterministic
-    if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return hint
-    return [[e for e in range(len(load)) if solver.Value(x[e, d])] for d in range(devices)]
-
-
-def imbalance(loads: list[float]) -> float:
-    """max / mean load; 1.0 is perfect balance."""
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean > 0 else 1.0
-

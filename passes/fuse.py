@@ -11,11 +11,10 @@ import warnings
 import torch
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan
+from autopar.plan import Plan, owned_dim
 from autopar.passes import runtime
 from autopar.passes.expert_dispatch import DISPATCHED, Dispatch, segment_module
 from autopar.passes.sparse import POOLS
-from autopar.passes.stack_experts import owned_dim
 
 
 def fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.Node, produced: dict) -> None:

@@ -35,15 +35,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan
+from autopar.plan import Plan, owned_dim
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
+from autopar.passes.dtensor_ops import inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
 from autopar.passes.grad_sync import GradientSync
 from autopar.passes.sparse import TABLE_WISE
-from autopar.passes.stack_experts import expert_members, owned_dim, owner
+from autopar.passes.stack_experts import expert_members, owner
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -155,7 +156,7 @@ class _Placer:
             if layer.get("order_applied"):
                 relabel = Relabel.from_plan(layer["relabel"])
                 self.row_orders.update({fqn: layer["order"] for fqn in relabel.permuted})
-                slot = runtime.inverse_order(layer["order"])
+                slot = inverse_order(layer["order"])
                 for name in {w.name for n in captured.graph.nodes if n.name in relabel.stacks
                              for w in n.args[0]} & members.keys():
                     expert, experts = members[name]
@@ -265,7 +266,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.name != mesh_node.name:
             produced[node.name] = plan.parameters[node.target].placement if node.target in plan.parameters else replicated
-        if node.target is runtime.relabel_experts:  # keeps its input's placement
+        if node.target is relabel_experts:  # keeps its input's placement
             produced[node.name] = produced.get(node.args[0].name)
         if node.op != "call_function" or node.target in _RUNTIME_FUNCS:
             continue
@@ -323,7 +324,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
-                  runtime.rowwise_embedding, runtime.stack_owned, runtime.relabel_experts,
+                  runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
                   runtime.table_wise_lookups, runtime.dispatch_experts}
 
 

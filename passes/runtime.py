@@ -15,7 +15,7 @@ from torch.distributed.tensor._redistribute import Redistribute
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map
 
-from autopar.passes.strategies import parse_placement
+from autopar.passes.dtensor_ops import inverse_order, parse_placement
 
 
 def placements(spec: str) -> tuple:
@@ -206,38 +206,6 @@ def full_value(param: torch.Tensor, grad: bool = False) -> torch.Tensor | None:
     box = [full.detach() if full is not None else None]
     dist.broadcast_object_list(box, src=int(mesh.mesh[tuple(coordinate)]), group=mesh.get_group(dim))
     return box[0]
-
-
-def inverse_order(order: list[int]) -> list[int]:
-    """The slot of each expert: ``inverse_order(order)[order[j]] == j``."""
-    slots = [0] * len(order)
-    for j, e in enumerate(order):
-        slots[e] = j
-    return slots
-
-
-def relabel_experts(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tensor:
-    """The router in slots instead of experts (passes.expert_order): ``kind`` "scores"
-    permutes the last (expert) dim, ``x[..., slots]``; "ids" maps each chosen expert id to
-    its slot, ``slots[x]``. A local op on each device's piece (a permutation commutes with
-    partial sums and with splits of other dims); scores split on the expert dim are gathered
-    on those mesh dims first and split again after."""
-    if not isinstance(x, DTensor):
-        return _relabel_local(x, slots, kind)
-    placements_before = tuple(x.placements)
-    if kind == "scores":
-        expert_dim = x.dim() - 1
-        whole = tuple(Replicate() if p.is_shard(expert_dim) else p for p in placements_before)
-        if whole != placements_before:
-            x = x.redistribute(x.device_mesh, whole)
-    local = _relabel_local(x.to_local(), slots, kind)
-    out = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
-    return out.redistribute(x.device_mesh, placements_before) if tuple(out.placements) != placements_before else out
-
-
-def _relabel_local(x: torch.Tensor, slots: list[int], kind: str) -> torch.Tensor:
-    table = torch.tensor(slots, device=x.device)
-    return x.index_select(-1, table) if kind == "scores" else table[x].to(x.dtype)
 
 
 def table_wise_lookups(weights: list[DTensor], ids: list[DTensor], mesh, dim: int, pools: list, rests: list,

@@ -297,12 +297,6 @@ def add_owned_stacks(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None
         node.meta[STRATEGIES_KEY] = strategies + list(dict.fromkeys(twins))
 
 
-def owned_dim(placement: str) -> int | None:
-    """The mesh dim a placement string (``"O,R"``) places "O", or None."""
-    split = placement.split(",")
-    return split.index(OWNED) if OWNED in split else None
-
-
 def owner(expert: int, experts: int, devices: int) -> int:
     """The coordinate (on the "O" mesh dim) of the device that holds ``expert``: the block
     ``Shard(0)`` of the stacked experts gives it."""

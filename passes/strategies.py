@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.single_dim_strategy import (
@@ -39,6 +39,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _insert_single_dim_replication_strategy,
 )
 from torch.utils._pytree import tree_flatten
+
+from autopar.passes.dtensor_ops import parse_placement, placement_str
 
 log = logging.getLogger(__name__)
 
@@ -58,31 +60,6 @@ class Strategy:
     # "" for DTensor's own rules; "sparse_allgather": a lookup that exchanges its table's
     # gradient as touched rows itself (passes.sparse), so the table's edge carries no gradient
     exchange: str = ""
-
-
-def placement_str(p) -> str | None:
-    """DTensor placement -> short string; None for placements we do not plan with (strided)."""
-    if type(p) is Replicate:
-        return "R"
-    if type(p) is Shard:
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        name = type(p).__name__
-        if name == "Partial":
-            return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-        return "P(mask)" if "Mask" in name else None
-    return None
-
-
-def parse_placement(s: str):
-    """Inverse of :func:`placement_str` for the placements lowering constructs (R, S(d), P)."""
-    if s == "R":
-        return Replicate()
-    if s.startswith("S("):
-        return Shard(int(s[2:-1]))
-    if s == "P":
-        return Partial()
-    raise ValueError(f"cannot construct placement {s!r}")
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -1,30 +1,14 @@
-r"""Sharding ILP on OR-Tools CP-SAT (Alpa's intra-operator formulation over placement classes).
+r"""The sharding ILP (solvers/formulation.py, where its math is written) on OR-Tools CP-SAT.
 
-Variables
-    x[i,s] ∈ {0,1}          node i uses strategy s
-    y[e,u,v] ∈ {0,1}        edge e carries producer class u into consumer class v
-                            (only for allowed pairs; classes group strategies that give
-                            the same placement on that edge, so y is small)
-Constraints
-    one_strategy:   Σ_s x[i,s] = 1                                    ∀ i
-    edge_rows:      Σ_v y[e,u,v] = Σ_{s ∈ u} x[src(e),s]              ∀ e, u
-    edge_cols:      Σ_u y[e,u,v] = Σ_{t ∈ v} x[dst(e),t]              ∀ e, v
-    memory:         Σ_i Σ_s m[i,s]·x[i,s] ≤ M                          (bytes per device)
-Objective (seconds of one training step, scaled to integers)
-    min Σ_i n_i Σ_s c[i,s]·x[i,s] + Σ_e n_e Σ_{u,v} R[e,u,v]·y[e,u,v]
-    (n_i, n_e: how many identical graph nodes / edges of repeated layers the term stands for;
-    the memory row is weighted the same way)
+Every variable is a 0/1 ``BoolVar``; one_strategy rows become ``add_exactly_one``, the other
+rows linear constraints named after their family; the objective is scaled to integers (the
+largest single term becomes 1e8 units). CP-SAT runs with one worker and
+``linearization_level=2`` (deterministic, and it proves optimality fast without a second
+worker), without presolve probing or symmetry detection (slow on these problems, no help).
 
-Rows and columns of y sum to one-hot vectors, so y is the outer product of the two
-choices (the transportation polytope of two one-hot vectors has only that integer point).
-An edge whose producer (or consumer) side has a single class needs no y: its cost is
-folded into the other side's x. CP-SAT runs with one worker and ``linearization_level=2``
-(deterministic, and it proves optimality fast without a second worker), without presolve
-probing or symmetry detection (slow on these problems, no help).
-
-Before CP-SAT, the LP relaxation (solvers/relaxation.py) is solved; when it is integral its
-answer is optimal and CP-SAT is skipped. Otherwise its leaning assignment is CP-SAT's hint
-(unless the caller gave one, e.g. the best baseline).
+Before CP-SAT, the LP relaxation (solvers/relaxation.py, the same rows over [0, 1]) is
+solved; when it is integral its answer is optimal and CP-SAT is skipped. Otherwise its
+leaning assignment is CP-SAT's hint (unless the caller gave one, e.g. the best baseline).
 """
 
 from __future__ import annotations
@@ -33,11 +17,11 @@ import logging
 import math
 import threading
 import time
-from collections import defaultdict
 
 from ortools.sat.python import cp_model
 
 from autopar.problem import ShardingProblem, Solution
+from autopar.solvers.formulation import Formulation
 from autopar.solvers.relaxation import LpRelaxation
 
 log = logging.getLogger(__name__)
@@ -74,6 +58,7 @@ class CpSatSolver:
         self.seed = seed
         self.relaxation_first = relaxation_first
         self._relaxations: dict[tuple, LpRelaxation] = {}
+        self._formulations: dict[tuple, Formulation] = {}
 
     def solve(self, problem: ShardingProblem, hint: list[int] | None = None) -> Solution:
         start = time.perf_counter()
@@ -100,26 +85,20 @@ class CpSatSolver:
 
     def _relaxation_of(self, problem: ShardingProblem) -> LpRelaxation:
         """Built once per problem; baselines (the same problem with other ``fixed``) reuse it."""
-        key = (id(problem.edges), id(problem.node_costs), id(problem.node_memory), problem.memory_limit_bytes)
-        if key not in self._relaxations:  # the cached relaxation holds the problem: ids stay unique
-            self._relaxations[key] = LpRelaxation(problem)
+        key = _structure(problem)
+        if key not in self._relaxations:
+            self._relaxations[key] = LpRelaxation(self._formulation_of(problem))
         return self._relaxations[key]
 
+    def _formulation_of(self, problem: ShardingProblem) -> Formulation:
+        key = _structure(problem)
+        if key not in self._formulations:  # the cached formulation holds the problem: ids stay unique
+            self._formulations[key] = Formulation(problem)
+        return self._formulations[key]
+
     def _cp_sat(self, problem: ShardingProblem, hint: list[int] | None, start: float) -> Solution:
-        model = cp_model.CpModel()
-        x = self._one_strategy(model, problem)
-        terms: list[tuple[cp_model.IntVar, float]] = [
-            (x[i][s], problem.count(i) * c)
-            for i, costs in enumerate(problem.node_costs) for s, c in enumerate(costs) if c]
-        terms += self._edges(model, problem, x)
-        self._memory(model, problem, x)
-        for i, s in problem.fixed.items():
-            model.add(x[i][s] == 1)
-        for i, s in problem.excluded:
-            model.add(x[i][s] == 0)
-        largest = max((c for _, c in terms), default=0.0)
-        scale = _SCALE_TARGET / largest if largest > 0 else 1.0
-        model.minimize(sum(round(c * scale) * var for var, c in terms))
+        formulation = self._formulation_of(problem)
+        model, x, scale = _cp_sat_model(formulation, problem.fixed, problem.excluded)
         if hint is not None:
             for i, s in enumerate(hint):
                 for t, var in enumerate(x[i]):
@@ -148,69 +127,27 @@ class CpSatSolver:
         return Solution(choice, status, problem.evaluate(choice), solver.best_objective_bound / scale,
                         elapsed, n_vars, n_cons)
 
-    @staticmethod
-    def _one_strategy(model: cp_model.CpModel, problem: ShardingProblem) -> list[list[cp_model.IntVar]]:
-        x: list[list[cp_model.IntVar]] = []
-        for i, name in enumerate(problem.node_names):
-            row = [model.new_bool_var(f"x[{name},{s}]") for s in range(len(problem.node_costs[i]))]
-            model.add_exactly_one(row).with_name(f"one_strategy[{name}]")
-            x.append(row)
-        return x
 
-    @staticmethod
-    def _edges(model: cp_model.CpModel, problem: ShardingProblem,
-               x: list[list[cp_model.IntVar]]) -> list[tuple[cp_model.IntVar, float]]:
-        terms: list[tuple[cp_model.IntVar, float]] = []
-        for k, e in enumerate(problem.edges):
-            src_members, dst_members = e.members()
-            if len(src_members) == 1 or len(dst_members) == 1:
-                terms += _fold_edge(model, e, x, src_members, dst_members)
-                continue
-            rows: dict[int, list[cp_model.IntVar]] = defaultdict(list)
-            cols: dict[int, list[cp_model.IntVar]] = defaultdict(list)
-            for u in src_members:
-                for v in dst_members:
-                    cost = e.cost[u][v]
-                    if cost is None:
-                        continue
-                    y = model.new_bool_var(f"y[{k},{u},{v}]")
-                    rows[u].append(y)
-                    cols[v].append(y)
-                    if cost:
-                        terms.append((y, e.count * cost))
-            for u, members in src_members.items():
-                model.add(sum(rows[u]) == sum(x[e.src][s] for s in members)).with_name(f"edge_rows[{k},{u}]")
-            for v, members in dst_members.items():
-                model.add(sum(cols[v]) == sum(x[e.dst][t] for t in members)).with_name(f"edge_cols[{k},{v}]")
-        return terms
-
-    @staticmethod
-    def _memory(model: cp_model.CpModel, problem: ShardingProblem, x: list[list[cp_model.IntVar]]) -> None:
-        expr = [problem.count(i) * m * x[i][s]
-                for i, mems in enumerate(problem.node_memory) for s, m in enumerate(mems) if m]
-        if expr:
-            model.add(sum(expr) <= problem.memory_limit_bytes).with_name("memory")
+def _structure(problem: ShardingProblem) -> tuple:
+    """What a formulation depends on (not ``fixed`` nor ``excluded``)."""
+    return id(problem.edges), id(problem.node_costs), id(problem.node_memory), problem.memory_limit_bytes
 
 
-def _fold_edge(model, e, x, src_members, dst_members) -> list:
-    """Edge with one class on a side: its cost is a linear term of the other side's choice."""
-    terms = []
-    if len(src_members) == 1:
-        (u,) = src_members
-        for v, members in dst_members.items():
-            for t in members:
-                cost = e.cost[u][v]
-                if cost is None:
-                    model.add(x[e.dst][t] == 0)
-                elif cost:
-                    terms.append((x[e.dst][t], e.count * cost))
-    else:
-        (v,) = dst_members
-        for u, members in src_members.items():
-            for s in members:
-                cost = e.cost[u][v]
-                if cost is None:
-                    model.add(x[e.src][s] == 0)
-                elif cost:
-                    terms.append((x[e.src][s], e.count * cost))
-    return terms
+def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: frozenset[tuple[int, int]]):
+    """The formulation as a CP-SAT model: (model, x[i][s] as BoolVars, objective scale)."""
+    model = cp_model.CpModel()
+    variables = [model.new_bool_var(name) for name in formulation.names()]
+    x = [[variables[v] for v in row] for row in formulation.x]
+    for row in formulation.rows(fixed, excluded):
+        terms = [variables[v] for v in row.vars]
+        if row.exactly_one:
+            constraint = model.add_exactly_one(terms)
+        else:
+            lo = cp_model.INT_MIN if row.lo == -math.inf else row.lo
+            constraint = model.add_linear_constraint(cp_model.LinearExpr.weighted_sum(terms, row.coeffs), lo, row.hi)
+        constraint.with_name(row.name)
+    costs = formulation.objective_coeffs
+    scale = _SCALE_TARGET / max(costs) if costs and max(costs) > 0 else 1.0
+    model.minimize(cp_model.LinearExpr.weighted_sum([variables[v] for v in formulation.objective_vars],
+                                                    [round(c * scale) for c in costs]))
+    return model, x, scale

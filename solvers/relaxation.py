@@ -1,6 +1,7 @@
 r"""LP relaxation of the sharding ILP (GLOP): a proof of optimality when it comes out integral.
 
-Same variables and rows as solvers/ilp.py, with x and y relaxed to [0, 1]. The relaxation's
+The rows of solvers/formulation.py (as CP-SAT gets them), with x and y relaxed to [0, 1];
+the memory row is stated in GiB to keep its coefficients near the cost scale. The relaxation's
 optimum is a lower bound on the ILP's; when its x is integral, y is too (rows and columns of
 each edge's pair block then sum to one-hot vectors), the assignment is feasible, and it is
 therefore optimal — no branch and bound needed. On transformer graphs folded by repeated-layer
@@ -9,19 +10,20 @@ clustering this is the common case: a Llama-3-8B shape on an 8×8 mesh (103 prob
 optimum. When x is fractional the caller falls back to CP-SAT.
 
 The model is built once per problem and re-solved for each set of fixed placements (the
-baselines fix parameter and input placements of the same problem), warm-started by GLOP.
+baselines fix parameter and input placements of the same problem), warm-started by GLOP: the
+fixed and excluded rows, each over one variable, are applied as bounds for one solve.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 from ortools.linear_solver import pywraplp
 
-from autopar.problem import ShardingProblem
+from autopar.solvers.formulation import Formulation, Row
 
 _INTEGRAL = 1e-6  # x within this of 0 or 1 counts as integral
-_MEMORY_UNIT = float(1 << 30)  # memory row in GiB: keeps coefficients near the cost scale
 
 
 @dataclass(frozen=True)
@@ -36,57 +38,32 @@ class LpRelaxation:
     """The relaxation of one problem (its ``fixed`` placements are ignored here: pass them
     to :meth:`solve`)."""
 
-    def __init__(self, problem: ShardingProblem) -> None:
-        self.problem = problem
+    def __init__(self, formulation: Formulation) -> None:
+        self.formulation = formulation
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
-        inf = self.solver.infinity()
-        objective = self.solver.Objective()
-        self.x = []
-        for i, costs in enumerate(problem.node_costs):
-            row = [self.solver.NumVar(0.0, 1.0, "") for _ in costs]
-            one = self.solver.Constraint(1.0, 1.0)
-            for var, c in zip(row, costs):
-                one.SetCoefficient(var, 1.0)
-                if c:
-                    objective.SetCoefficient(var, problem.count(i) * c)
-            self.x.append(row)
-        memory = self.solver.Constraint(-inf, problem.memory_limit_bytes / _MEMORY_UNIT)
-        self.memory_terms = []
-        for i, mems in enumerate(problem.node_memory):
-            for var, m in zip(self.x[i], mems):
-                if m:
-                    memory.SetCoefficient(var, problem.count(i) * m / _MEMORY_UNIT)
-                    self.memory_terms.append((var, problem.count(i) * m / _MEMORY_UNIT))
-        for e in problem.edges:
-            self._edge(e, objective)
-        objective.SetMinimization()
-        self.objective = objective
-        self.time_terms = [(var, objective.GetCoefficient(var)) for var in self.solver.variables()
-                           if objective.GetCoefficient(var)]
+        variables = [self.solver.NumVar(0.0, 1.0, "") for _ in range(formulation.num_variables)]
+        self.x = [[variables[v] for v in row] for row in formulation.x]
+        self._x_flat = variables[:formulation.num_x]  # x come first
+        for row in chain(formulation.one_strategy(), formulation.edge_consistency()):
+            self._row(row, variables)
+        self.memory_terms = [term for row in formulation.memory() for term in self._row(row, variables)]
+        coefficients = [0.0] * formulation.num_variables
+        for v, c in zip(formulation.objective_vars, formulation.objective_coeffs):
+            coefficients[v] += c  # a folded edge's cost adds to its x's
+        self.time_terms = [(var, c) for var, c in zip(variables, coefficients) if c]
+        self.objective = self.solver.Objective()
+        self._set_objective(self.time_terms)
         self.time_row = None  # created on first use by _least_memory
         self._last = None  # (fixed, status code, x values, bound) of the latest first-stage solve
         self._nonoptimal_vars = None  # of that solve, read once it is needed
 
-    def _edge(self, e, objective) -> None:
-        src_members, dst_members = e.members()
-        rows = {u: self.solver.Constraint(0.0, 0.0) for u in src_members}
-        cols = {v: self.solver.Constraint(0.0, 0.0) for v in dst_members}
-        for u, members in src_members.items():
-            for s in members:
-                rows[u].SetCoefficient(self.x[e.src][s], -1.0)
-        for v, members in dst_members.items():
-            for t in members:
-                cols[v].SetCoefficient(self.x[e.dst][t], -1.0)
-        for u in src_members:
-            for v in dst_members:
-                cost = e.cost[u][v]
-                if cost is None:
-                    continue
-                y = self.solver.NumVar(0.0, 1.0, "")
-                rows[u].SetCoefficient(y, 1.0)
-                cols[v].SetCoefficient(y, 1.0)
-                if cost:
-                    objective.SetCoefficient(y, e.count * cost)
+    def _row(self, row: Row, variables: list) -> list[tuple[pywraplp.Variable, float]]:
+        """Add ``row`` in its unit; its terms as (variable, coefficient in that unit)."""
+        terms = [(variables[v], c / row.unit) for v, c in zip(row.vars, row.coeffs)]
+        constraint = self.solver.Constraint(row.lo / row.unit, row.hi / row.unit, row.name)
+        for var, c in terms:
+            constraint.SetCoefficient(var, c)
+        return terms
 
     @property
     def size(self) -> tuple[int, int]:
@@ -96,10 +73,10 @@ class LpRelaxation:
               excluded: frozenset[tuple[int, int]] = frozenset()) -> RelaxedSolution:
         """``least_memory``: when integral, break ties in time by memory (a second LP).
         ``excluded``: (node, strategy) pairs held at 0."""
-        for i, s in fixed.items():
-            self.x[i][s].SetLb(1.0)
-        for i, s in excluded:
-            self.x[i][s].SetUb(0.0)
+        rows = chain(self.formulation.fixed(fixed), self.formulation.excluded(excluded))
+        bounds = [(self._x_flat[v], row.lo, row.hi) for row in rows for v in row.vars]
+        for var, lo, hi in bounds:  # rows over one variable, coefficient 1
+            var.SetBounds(max(var.lb(), lo), min(var.ub(), hi))
         key = (tuple(sorted(fixed.items())), tuple(sorted(excluded)))
         if self._last is not None and self._last[0] == key:  # lower_bound() then solve(): no re-solve
             code, values, bound = self._last[1:4]
@@ -113,10 +90,8 @@ class LpRelaxation:
             if self._nonoptimal_vars is None:
                 self._nonoptimal_vars = self._nonoptimal()
             values = self._least_memory(bound, self._nonoptimal_vars, time_limit_s) or values
-        for i, s in fixed.items():  # only after reading the solution: a change discards it
-            self.x[i][s].SetLb(0.0)
-        for i, s in excluded:
-            self.x[i][s].SetUb(1.0)
+        for var, _lo, _hi in bounds:  # only after reading the solution: a change discards it
+            var.SetBounds(0.0, 1.0)
         if code == pywraplp.Solver.INFEASIBLE:
             return RelaxedSolution("INFEASIBLE", float("inf"), None, None)
         if code != pywraplp.Solver.OPTIMAL:

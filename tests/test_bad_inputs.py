@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -42,6 +43,36 @@ def test_untraceable_model_names_the_source_line():
     with pytest.raises(AutoparError, match=r"(?s)cannot trace DataDependent.*test_bad_inputs.py:\d+.*x.sum\(\) > 0.*fixes") as info:
         autopar.plan(DataDependent(), (torch.randn(2, 4),), cluster="2xH100")
     assert info.value.kind is ErrorKind.UNTRACEABLE
+
+
+USER_MODEL = """\
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else x
+"""
+
+
+@pytest.mark.parametrize("folder", ["autopar", "passes"])
+def test_untraceable_names_user_file_in_a_folder_named_like_the_package(tmp_path, folder):
+    """A user's project under a folder named `autopar` or `passes` is still the user's code."""
+    path = tmp_path / folder / "usermodel.py"
+    path.parent.mkdir()
+    path.write_text(USER_MODEL)
+    spec = importlib.util.spec_from_file_location(f"usermodel_in_{folder}", path)
+    usermodel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(usermodel)
+    with pytest.raises(AutoparError) as info:
+        autopar.plan(usermodel.Branchy(), (torch.randn(2, 4),), cluster="2xH100")
+    assert info.value.kind is ErrorKind.UNTRACEABLE
+    assert f"at {path}:11: `return self.lin(x) if x.sum() > 0 else x`" in str(info.value)
 
 
 def test_model_without_parameters():
@@ -119,7 +150,7 @@ def test_corrupt_and_future_plan_files(tmp_path):
     future = json.loads(text)
     future["schema_version"] = 99
     (tmp_path / "future.json").write_text(json.dumps(future))
-    with pytest.raises(AutoparError, match="plan schema version 99; this autopar reads version 1: upgrade autopar"):
+    with pytest.raises(AutoparError, match="plan schema version 99; this autopar reads version 2: upgrade autopar"):
         autopar.load_plan(tmp_path / "future.json")
     missing = json.loads(text)
     del missing["nodes"]

@@ -6,8 +6,9 @@ import importlib
 import pytest
 
 MODULES = ["autopar.cluster", "autopar.mesh", "autopar.comm", "autopar.units", "autopar.errors",
-           "autopar.problem", "autopar.plan", "autopar.devices", "autopar.profile", "autopar.replica_planner",
-           "autopar.solvers.pipeline"]
+           "autopar.problem", "autopar.plan", "autopar.devices", "autopar.profile", "autopar.planning.replicas",
+           "autopar.planning.options", "autopar.solvers.pipeline", "autopar.solvers.balance",
+           "autopar.solvers.formulation"]
 
 
 @pytest.mark.parametrize("name", MODULES)

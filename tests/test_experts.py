@@ -13,11 +13,12 @@ from rich.console import Console
 import autopar
 import models
 from autopar.cluster import Cluster
-from autopar.costing import recost
+from autopar.planning.costing import recost
 from autopar.passes.capture import capture
 from autopar.passes.expert_dispatch import DISPATCH_KEY
-from autopar.passes.experts import annotate_experts, balanced_order, device_loads, imbalance
+from autopar.passes.experts import annotate_experts
 from autopar.passes.stack_experts import STACKED_KEY
+from autopar.solvers.balance import balanced_order, device_loads, imbalance
 from autopar.report import experts_table
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases

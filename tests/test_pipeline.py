@@ -155,9 +155,9 @@ def test_slow_wan_keeps_collectives_inside_regions_when_one_region_cannot_hold_t
     limit = int(one_region.value.needed_bytes * 0.6)  # the model needs more than one region's memory
     plan = autopar.plan(model, x, cluster=regions(tmp_path, "A100-80GB", "A100-80GB", 8, 0.125),
                         memory_limit=limit, micro_batches=4)
-    assert [st.group for st in plan.stages] == ["a", "b"], plan.baselines
+    assert [st.group for st in plan.stages] == ["a", "b"], plan.families
     assert plan.stages[0].ranks == tuple(range(8)) and plan.stages[1].ranks == tuple(range(8, 16))
-    assert plan.predicted_step_s < plan.baselines["uniform_mesh"]["predicted_step_s"]
+    assert plan.predicted_step_s < plan.families["one_mesh"]["predicted_step_s"]
     assert all(st.memory.total_bytes <= limit for st in plan.stages)
     assert Plan.from_json(plan.to_json()) == plan
 
@@ -165,7 +165,7 @@ def test_slow_wan_keeps_collectives_inside_regions_when_one_region_cannot_hold_t
 def test_fast_interconnect_and_a_model_that_fits_one_group_get_no_pipeline(tmp_path):
     model, x = _gpt(layers=4)
     plan = autopar.plan(model, x, cluster=regions(tmp_path, "A100-80GB", "A100-80GB", 2, 100, "latency_us: 5"))
-    assert plan.stages == () and plan.baselines["pipeline"]["predicted_step_s"] > plan.predicted_step_s
+    assert plan.stages == () and plan.families["pipeline"]["predicted_step_s"] > plan.predicted_step_s
 
 
 def test_faster_group_gets_proportionally_more_layers(tmp_path):
@@ -250,6 +250,6 @@ def test_cli_plans_stages_and_show_draws_the_timeline(tmp_path):
 def test_auto_mode_skips_families_that_do_not_apply_and_says_why():
     model, x = GPT(layers=2), torch.randint(0, 64, (3, 16))  # 3 rows: no 2 equal micro-batches
     plan = autopar.plan(model, (x,), cluster=os.path.join(CLUSTERS, "two_cpu_regions.yaml"))
-    assert plan.baselines["pipeline"]["feasible"] is False
-    assert "cannot be split into 2 or more equal micro-batches" in plan.baselines["pipeline"]["skipped"]
-    assert plan.baselines["uniform_mesh"]["feasible"] and plan.stages == ()
+    assert plan.families["pipeline"]["feasible"] is False
+    assert "cannot be split into 2 or more equal micro-batches" in plan.families["pipeline"]["skipped"]
+    assert plan.families["one_mesh"]["feasible"] and plan.stages == ()

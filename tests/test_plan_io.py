@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -26,13 +27,32 @@ def test_round_trip_is_exact(gpt_plan, tmp_path):
 
 
 def test_plan_records_what_people_inspect(gpt_plan):
-    assert gpt_plan.schema_version == 1
+    assert gpt_plan.schema_version == 2
+    assert gpt_plan.family == "one_mesh" and gpt_plan.families["one_mesh"]["feasible"]
+    # baselines are what a person would write; the planner's own families are apart
+    assert {"ddp", "fsdp", "megatron_tp"} <= set(gpt_plan.baselines)
+    assert not set(gpt_plan.baselines) & {"one_mesh", "uniform_mesh", "pipeline", "replicas"}
     assert set(gpt_plan.parameters) == {n for n, _ in GPT(layers=2).named_parameters()}
     assert gpt_plan.solver["status"] in ("OPTIMAL", "FEASIBLE")
     assert gpt_plan.solver["variables"] > 0
     assert gpt_plan.predicted_step_s == pytest.approx(gpt_plan.predicted_compute_s + gpt_plan.predicted_comm_s)
     assert gpt_plan.timings["plan_s"] > 0  # kept in memory, never written
     assert "timings" not in gpt_plan.to_json()
+
+
+def test_version_1_plan_files_load_with_their_families_apart(gpt_plan):
+    old = json.loads(gpt_plan.to_json())
+    old["schema_version"] = 1
+    old.pop("family")
+    old["baselines"]["uniform_mesh"] = old.pop("families")["one_mesh"]
+    assert Plan.from_json(json.dumps(old)) == gpt_plan
+
+
+def test_plan_files_of_unknown_versions_name_the_version(gpt_plan):
+    newer = json.loads(gpt_plan.to_json())
+    newer["schema_version"] = 99
+    with pytest.raises(autopar.AutoparError, match="schema version 99; this autopar reads version 2: upgrade"):
+        Plan.from_json(json.dumps(newer))
 
 
 def test_failed_save_leaves_the_old_file_intact(gpt_plan, tmp_path, monkeypatch):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import doctest
 import itertools
 import math
 import random
 
 import pytest
 
+import autopar.solvers.formulation
 from autopar.problem import Edge, ShardingProblem
-from autopar.solvers.ilp import CpSatSolver
+from autopar.solvers.formulation import Formulation
+from autopar.solvers.ilp import CpSatSolver, _cp_sat_model
+from autopar.solvers.relaxation import LpRelaxation
 
 
 def random_problem(rng: random.Random) -> ShardingProblem:
@@ -77,6 +82,33 @@ def test_cp_sat_alone_matches_relaxation_first():
         assert a.status == b.status
         if a.choice:
             assert a.objective_s == pytest.approx(b.objective_s, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(0, 200, 4))
+def test_relaxation_is_a_lower_bound(seed):
+    """The LP (single-class edges folded into x, as in CP-SAT) never exceeds the optimum."""
+    problem = random_problem(random.Random(seed))
+    assert CpSatSolver().lower_bound(problem) <= brute_force(problem) + 1e-6
+
+
+def test_both_backends_get_the_same_named_rows():
+    """One description: CP-SAT and the LP get the same rows, named by family (the LP applies
+    the fixed and excluded rows as bounds, per solve)."""
+    for seed in range(20):
+        problem = random_problem(random.Random(seed))
+        problem = dataclasses.replace(problem, fixed={0: 0}, excluded=frozenset({(1, 0)}))
+        formulation = Formulation(problem)
+        rows = [row.name for row in formulation.rows(problem.fixed, problem.excluded)]
+        model, _, _ = _cp_sat_model(formulation, problem.fixed, problem.excluded)
+        assert [c.name for c in model.proto.constraints] == rows
+        assert rows[-2:] == ["fixed[n0]", "excluded[n1,0]"]
+        lp = LpRelaxation(formulation)
+        assert [c.name() for c in lp.solver.constraints()] == rows[:-2]
+        assert len(model.proto.variables) == lp.solver.NumVariables() == formulation.num_variables
+
+
+def test_formulation_docstring_example():
+    assert doctest.testmod(autopar.solvers.formulation).failed == 0
 
 
 def test_chain_with_reshard_penalty_has_closed_form():

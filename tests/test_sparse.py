@@ -21,7 +21,7 @@ from autopar.mesh import checked_mesh
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
-from autopar.costing import communication_bytes, recost
+from autopar.planning.costing import communication_bytes, recost
 from autopar.report import sparse_table
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases

@@ -19,7 +19,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
 from autopar.passes.sparse import annotate_lookups
-from autopar.costing import recost
+from autopar.planning.costing import recost
 
 HERE = os.path.dirname(__file__)
 CASES = [

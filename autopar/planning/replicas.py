@@ -27,19 +27,19 @@ import logging
 import math
 import time
 
-import torch
+from collections.abc import Callable
 
 from autopar.cluster import Cluster
 from autopar.comm import all_gather_s, all_reduce_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, StagePlan, TensorSpec, split_over
+from autopar.planning.costing import recost
+from autopar.planning.one_mesh import make_plan
+from autopar.planning.options import PlanOptions
+from autopar.planning.pipeline import groups_unavailable
 from autopar.units import format_bytes
-from autopar.passes.capture import capture, leading_batch, normalize_inputs
-from autopar.passes.experts import annotate_experts
-from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK, annotate_lookups
-from autopar.pipeline_planner import pipeline_ready
-from autopar.costing import recost
-from autopar.planner import make_plan
+from autopar.passes.capture import Captured, leading_batch
+from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK
 
 log = logging.getLogger(__name__)
 
@@ -60,70 +60,70 @@ def proportional_split(batch: int, weights: list[float]) -> tuple[int, ...]:
     return tuple(rows)
 
 
-def plan_replicas(model: torch.nn.Module, example_inputs, cluster: Cluster, *, optimizer: str = "adamw",
-                  solver: str = "cpsat", time_limit_s: float = 60.0,
-                  batch_split: tuple[int, ...] | None = None, sparsity: dict[str, float] | None = None) -> Plan:
-    reason = pipeline_ready(cluster)
-    if reason:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"cannot plan data-parallel replicas on {cluster.describe()}: {reason}")
-    inputs = normalize_inputs(example_inputs)
-    batch = leading_batch(inputs, "replicas")
-    groups = cluster.groups()
-    options = dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, baselines=False)
-    start = time.perf_counter()
-    captures: dict[int, object] = {}
+class ReplicaGroups:
+    """Family "replicas": every device group runs the whole model on its share of the batch."""
 
-    def captured_at(rows: int):
-        if rows not in captures:
-            captures[rows] = capture(model, tuple(x[:rows] for x in inputs))
-            annotate_lookups(captures[rows], tuple(x[:rows] for x in inputs), sparsity)
-            annotate_experts(captures[rows], tuple(x[:rows] for x in inputs))
-        return captures[rows]
+    name = "replicas"
 
-    if batch_split is None:
-        share = max(1, batch // len(groups))
-        speeds = [1.0 / make_plan(captured_at(share), g.cluster, **options).predicted_step_s for g in groups]
-        split = proportional_split(batch, speeds)
-    else:
-        split = tuple(int(b) for b in batch_split)
-        if len(split) != len(groups) or sum(split) != batch or min(split) < 1:
-            raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={tuple(batch_split)} must give each of the "
-                               f"{len(groups)} groups at least one row and sum to the batch size {batch}")
-    main = max(range(len(groups)), key=lambda g: split[g])
-    shared = make_plan(captured_at(split[main]), groups[main].cluster, **options)
-    replicas, times = [], []
-    for group, rows in zip(groups, split):
-        step_s, memory = recost(captured_at(rows), shared, group.cluster, optimizer)
-        if memory > group.cluster.memory_limit_bytes:
-            raise AutoparError(ErrorKind.INFEASIBLE_MEMORY,
-                               f"replica on {group.name} ({len(group.ranks)}x{group.cluster.device.name}) with {rows} "
-                               f"rows needs {memory} bytes ({format_bytes(memory)}) per device, has "
-                               f"{group.cluster.memory_limit_bytes}; fixes: 1) a smaller batch_split share for it "
-                               "2) pipeline stages instead", needed_bytes=memory)
-        times.append(step_s)
-        replicas.append((group, rows, step_s, memory))
-    sync_s, between = _gradient_sync(cluster, groups, shared, [captured_at(rows) for rows in split])
-    step = max(times) + sync_s
-    lanes = len(groups[0].ranks)
-    plan = dataclasses.replace(
-        shared, inputs=tuple(TensorSpec.of(spec.name, x) for spec, x in zip(shared.inputs, inputs)),
-        cluster={"spec": cluster.describe(), "device": cluster.device.name, "hosts": cluster.hosts,
-                 "devices_per_host": cluster.devices_per_host, "memory_limit_bytes": cluster.memory_limit_bytes},
-        mesh_shape=(len(groups), lanes), mesh_dim_names=("replica", "lane"),
-        predicted_step_s=step, predicted_comm_s=step - shared.predicted_compute_s,
-        replicas=tuple(StagePlan(
-            group=g.name, device=g.cluster.device.name, ranks=g.ranks, mesh_shape=shared.mesh_shape,
-            mesh_dim_names=shared.mesh_dim_names, layers=(), compute_s=t, send_s=sync_s, in_flight=1,
-            memory=dataclasses.replace(shared.memory, activations_bytes=m - shared.memory.total_bytes
-                                       + shared.memory.activations_bytes),
-            batch=rows, fingerprint=captured_at(rows).fingerprint) for g, rows, t, m in replicas),
-        sparse={fqn: {**table, "between_groups": between[fqn]["method"],
-                      "between_groups_bytes": between[fqn]["bytes_per_step"]} if fqn in between else table
-                for fqn, table in shared.sparse.items()},
-        options={**shared.options, "replicas": True}, baselines={})
-    object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start})
-    log.info("replica plan: split %s, predicted step %.3g s", split, step)
-    return plan
+    def unavailable(self, cluster: Cluster, options: PlanOptions) -> str | None:
+        return groups_unavailable(cluster, options)
+
+    def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
+        batch = leading_batch(graphs.inputs, "replicas")
+        groups = cluster.groups()
+        start = time.perf_counter()
+        if options.batch_split is None:
+            share = max(1, batch // len(groups))
+            speeds = [1.0 / make_plan(graphs.at_rows(share), g.cluster, options, baselines=False).predicted_step_s
+                      for g in groups]
+            split = proportional_split(batch, speeds)
+        else:
+            split = tuple(int(b) for b in options.batch_split)
+            if len(split) != len(groups) or sum(split) != batch or min(split) < 1:
+                raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={tuple(options.batch_split)} must give each of "
+                                   f"the {len(groups)} groups at least one row and sum to the batch size {batch}")
+        main = max(range(len(groups)), key=lambda g: split[g])
+        shared = make_plan(graphs.at_rows(split[main]), groups[main].cluster, options, baselines=False)
+        replicas, times = [], []
+        for group, rows in zip(groups, split):
+            step_s, memory = recost(graphs.at_rows(rows), shared, group.cluster, options.optimizer)
+            if memory > group.cluster.memory_limit_bytes:
+                raise AutoparError(ErrorKind.INFEASIBLE_MEMORY,
+                                   f"replica on {group.name} ({len(group.ranks)}x{group.cluster.device.name}) with "
+                                   f"{rows} rows needs {memory} bytes ({format_bytes(memory)}) per device, has "
+                                   f"{group.cluster.memory_limit_bytes}; fixes: 1) a smaller batch_split share for "
+                                   "it 2) pipeline stages instead", needed_bytes=memory)
+            times.append(step_s)
+            replicas.append((group, rows, step_s, memory))
+        sync_s, between = _gradient_sync(cluster, groups, shared, [graphs.at_rows(rows) for rows in split])
+        step = max(times) + sync_s
+        lanes = len(groups[0].ranks)
+        plan = dataclasses.replace(
+            shared, inputs=tuple(TensorSpec.of(spec.name, x) for spec, x in zip(shared.inputs, graphs.inputs)),
+            cluster=cluster.plan_header(), mesh_shape=(len(groups), lanes), mesh_dim_names=("replica", "lane"),
+            predicted_step_s=step, predicted_comm_s=step - shared.predicted_compute_s,
+            replicas=tuple(StagePlan(
+                group=g.name, device=g.cluster.device.name, ranks=g.ranks, mesh_shape=shared.mesh_shape,
+                mesh_dim_names=shared.mesh_dim_names, layers=(), compute_s=t, send_s=sync_s, in_flight=1,
+                memory=dataclasses.replace(shared.memory, activations_bytes=m - shared.memory.total_bytes
+                                           + shared.memory.activations_bytes),
+                batch=rows, fingerprint=graphs.at_rows(rows).fingerprint) for g, rows, t, m in replicas),
+            sparse={fqn: {**table, "between_groups": between[fqn]["method"],
+                          "between_groups_bytes": between[fqn]["bytes_per_step"]} if fqn in between else table
+                    for fqn, table in shared.sparse.items()},
+            options={**shared.options, "replicas": True}, baselines={}, family="replicas",
+            timings={"plan_s": time.perf_counter() - start})
+        log.info("replica plan: split %s, predicted step %.3g s", split, step)
+        return plan
+
+    def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
+        from autopar.parallel import ParallelModule
+        from autopar.passes.replica_lower import lower_replicas
+        from autopar.planning.lowering import device_type
+
+        # each group captures the model at its own share of the batch (the plan's replicas)
+        module, runtime = lower_replicas(model, plan, loss_fn, device_type())
+        return ParallelModule(module, plan, loss_fn, runtime)
 
 
 def _gradient_sync(cluster: Cluster, groups, plan: Plan, captures: list) -> tuple[float, dict[str, dict]]:

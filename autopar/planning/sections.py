@@ -9,13 +9,13 @@ import dataclasses
 import math
 
 from autopar.mesh import MeshSpec
-from autopar.plan import NodePlan, ParameterPlan, split_over
+from autopar.plan import NodePlan, ParameterPlan, owned_dim, split_over
+from autopar.solvers.balance import balanced_order, device_loads, imbalance
 from autopar.passes.capture import Captured
-from autopar.passes.experts import EXPERTS_KEY, balanced_order, device_loads, imbalance
+from autopar.passes.experts import EXPERTS_KEY
 from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED
 from autopar.passes.sparse import LOOKUP_KEY, TABLE_WISE, exchange_bytes
 from autopar.passes.sparse import table_owners as sparse_owners
-from autopar.passes.stack_experts import owned_dim
 
 
 def sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: dict[str, ParameterPlan],

@@ -62,7 +62,7 @@ def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, exam
 def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: MeshSpec, optimizer: str = "adamw",
                      symbolic: bool = False) -> tuple[ShardingProblem, ProblemIndex, list[int]]:
     """The sharding problem of ``captured`` on ``mesh`` and the strategy ``plan`` chose for each node."""
-    if plan.stages or plan.replicas:
+    if plan.family != "one_mesh":
         raise AutoparError(ErrorKind.BAD_PLAN, "re-costing plans over several device groups is not supported yet; "
                            "re-plan instead")
     annotate_costs(captured.graph)

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,25 +29,25 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, StagePlan, TensorSpec
+from autopar.planning.one_mesh import make_plan
+from autopar.planning.options import PlanOptions
 from autopar.units import format_bytes
-from autopar.passes.capture import Captured, capture, leading_batch, normalize_inputs
+from autopar.passes.capture import Captured, leading_batch
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.layers import layer_signatures
-from autopar.passes.experts import annotate_experts
 from autopar.passes.memory import annotate_saved
-from autopar.passes.sparse import annotate_lookups
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
-from autopar.planner import make_plan
 from autopar.solvers.pipeline import StageTime, bubble, partition
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = ("1F1B", "GPipe")
 
-
-def pipeline_ready(cluster: Cluster) -> str | None:
-    """Why ``cluster`` cannot host a pipeline plan (None when it can)."""
+def groups_unavailable(cluster: Cluster, options: PlanOptions) -> str | None:
+    """Why ``cluster`` cannot host plans over its device groups (pipeline stages, replica
+    groups); None when it can."""
+    if options.mesh_shape or options.configuration:
+        return f"{'mesh_shape' if options.mesh_shape else 'configuration'}= asks for one mesh over every device"
     groups = cluster.groups()
     if len(groups) < 2:
         return "the cluster has one device group (give it regions to pipeline over)"
@@ -56,49 +57,52 @@ def pipeline_ready(cluster: Cluster) -> str | None:
     return None
 
 
-def plan_pipeline(model: torch.nn.Module, example_inputs, cluster: Cluster, *, optimizer: str = "adamw",
-                  solver: str = "cpsat", time_limit_s: float = 60.0, micro_batches: int | None = None,
-                  schedule: str = "1F1B", sparsity: dict[str, float] | None = None) -> Plan:
-    """The best pipeline plan of ``model`` over ``cluster.groups()`` (in their order).
-    Sparse tables and MoE experts are planned inside their stage as on one mesh (``sparsity``
-    as for :func:`autopar.plan`; touched rows and expert loads per micro-batch)."""
-    if schedule not in SCHEDULES:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    reason = pipeline_ready(cluster)
-    if reason:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"cannot plan pipeline stages on {cluster.describe()}: {reason}")
-    inputs = normalize_inputs(example_inputs)
-    groups = cluster.groups()
-    start = time.perf_counter()
-    best, tried, smallest = None, [], None
-    for m in _micro_batch_counts(inputs, len(groups), micro_batches):
-        micro = tuple(x[: x.shape[0] // m] for x in inputs)
-        captured = capture(model, micro)
-        annotate_lookups(captured, micro, sparsity)  # stage graphs copy node meta, lookups and experts included
-        annotate_experts(captured, micro)
-        stages = _StageCosts(captured, cluster, groups, m, schedule,
-                             dict(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s))
-        if len(stages.layers) < len(groups):
-            raise AutoparError(ErrorKind.BAD_INPUT,
-                               f"{type(model).__name__} has {len(stages.layers)} layers (indexed modules such as "
-                               f"blocks.0) but the cluster has {len(groups)} groups; pipeline stages are cut "
-                               "between layers: use fewer groups or plan without pipeline stages")
-        found = partition(len(stages.layers), len(groups), m, stages.time_s)
-        tried.append({"micro_batches": m, "cuts": list(found.cuts) if found else None,
-                      "predicted_step_s": found.step_s if found else None})
-        if found is None:
-            smallest = stages.largest_layer()
-            continue
-        if best is None or found.step_s < best[1].step_s * (1 - 1e-9):
-            best = (stages, found)
-    if best is None:
-        raise _no_fit(cluster, groups, smallest)
-    stages, found = best
-    plan = stages.assemble(found, tried)
-    object.__setattr__(plan, "timings", {"plan_s": time.perf_counter() - start})
-    log.info("pipeline plan: %d stages, %d micro-batches, cuts %s, predicted step %.3g s",
-             len(groups), stages.micro_batches, found.cuts, found.step_s)
-    return plan
+class PipelineStages:
+    """Family "pipeline": stages over the cluster's device groups, in their order."""
+
+    name = "pipeline"
+
+    def unavailable(self, cluster: Cluster, options: PlanOptions) -> str | None:
+        return groups_unavailable(cluster, options)
+
+    def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
+        """The best pipeline plan over ``cluster.groups()``. Sparse tables and MoE experts are
+        planned inside their stage as on one mesh (touched rows and expert loads per micro-batch)."""
+        groups = cluster.groups()
+        start = time.perf_counter()
+        best, tried, smallest = None, [], None
+        for m in _micro_batch_counts(graphs.inputs, len(groups), options.micro_batches):
+            captured = graphs.at_rows(graphs.inputs[0].shape[0] // m)
+            stages = _StageCosts(captured, cluster, groups, m, options)
+            if len(stages.layers) < len(groups):
+                raise AutoparError(ErrorKind.BAD_INPUT,
+                                   f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "
+                                   f"such as blocks.0) but the cluster has {len(groups)} groups; pipeline stages are "
+                                   "cut between layers: use fewer groups or plan without pipeline stages")
+            found = partition(len(stages.layers), len(groups), m, stages.time_s)
+            tried.append({"micro_batches": m, "cuts": list(found.cuts) if found else None,
+                          "predicted_step_s": found.step_s if found else None})
+            if found is None:
+                smallest = stages.largest_layer()
+                continue
+            if best is None or found.step_s < best[1].step_s * (1 - 1e-9):
+                best = (stages, found)
+        if best is None:
+            raise _no_fit(cluster, groups, smallest)
+        stages, found = best
+        plan = stages.assemble(found, tried, start)
+        log.info("pipeline plan: %d stages, %d micro-batches, cuts %s, predicted step %.3g s",
+                 len(groups), stages.micro_batches, found.cuts, found.step_s)
+        return plan
+
+    def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
+        from autopar.parallel import ParallelModule
+        from autopar.passes.pipeline_lower import lower_pipeline
+        from autopar.planning.lowering import capture_for, device_type
+
+        # the plan's inputs are one micro-batch: a graph of the whole batch does not serve
+        module, runtime = lower_pipeline(capture_for(model, plan), plan, model, loss_fn, device_type())
+        return ParallelModule(module, plan, loss_fn, runtime)
 
 
 def _micro_batch_counts(inputs: tuple, stages: int, pinned: int | None) -> list[int]:
@@ -120,13 +124,13 @@ class _StageCosts:
     """Stage plans for one micro-batch size, solved once per distinct stage."""
 
     def __init__(self, captured: Captured, cluster: Cluster, groups: list[DeviceGroup], micro_batches: int,
-                 schedule: str, options: dict) -> None:
+                 options: PlanOptions) -> None:
         annotate_costs(captured.graph)
         annotate_saved(captured.graph)
         for node in captured.graph.nodes:  # stage graphs copy meta: strategies enumerated once per mesh
             node.meta[MEMO_KEY] = {}
         self.captured, self.cluster, self.groups = captured, cluster, groups
-        self.micro_batches, self.schedule, self.options = micro_batches, schedule, options
+        self.micro_batches, self.schedule, self.options = micro_batches, options.schedule, options
         self.layers = layer_order(captured.graph)
         signature = layer_signatures(captured)
         self._signature = [signature.get(layer) for layer in self.layers]
@@ -164,8 +168,8 @@ class _StageCosts:
         and latency per micro-batch."""
         part = self._piece(i, j)
         group = self.groups[s]
-        plan = make_plan(part, group.cluster, baselines=False, activation_copies=self.in_flight(s), annotate=False,
-                         **self.options)
+        plan = make_plan(part, group.cluster, self.options, baselines=False, activation_copies=self.in_flight(s),
+                         annotate=False)
         send_s = self._send_s([n.meta["val"] for n in part.graph.output_node().all_input_nodes], s) \
             if j < len(self.layers) else (0.0, 0.0)
         return plan, send_s
@@ -215,13 +219,13 @@ class _StageCosts:
         worst = ("", 0)
         for k, layer in enumerate(self.layers):
             try:
-                make_plan(self._piece(k, k + 1), roomiest.cluster, baselines=False, annotate=False, **self.options)
+                make_plan(self._piece(k, k + 1), roomiest.cluster, self.options, baselines=False, annotate=False)
             except AutoparError as exc:
                 if exc.kind is ErrorKind.INFEASIBLE_MEMORY and (exc.needed_bytes or 0) > worst[1]:
                     worst = (layer, exc.needed_bytes)
         return worst
 
-    def assemble(self, found, tried: list[dict]) -> Plan:
+    def assemble(self, found, tried: list[dict], start: float) -> Plan:
         """One plan from the chosen stages, each planned again under its own node names."""
         cuts = [0, *found.cuts, len(self.layers)]
         stage_plans, stages = [], []
@@ -245,9 +249,7 @@ class _StageCosts:
         lanes = len(self.groups[0].ranks)
         return Plan(
             fingerprint=self.captured.fingerprint,
-            cluster={"spec": self.cluster.describe(), "device": self.cluster.device.name, "hosts": self.cluster.hosts,
-                     "devices_per_host": self.cluster.devices_per_host,
-                     "memory_limit_bytes": self.cluster.memory_limit_bytes},
+            cluster=self.cluster.plan_header(),
             mesh_shape=(p, lanes), mesh_dim_names=("pp", "lane"), inputs=tuple(self.captured.inputs),
             nodes=nodes, parameters=parameters, buffers=buffers,
             predicted_step_s=found.step_s, predicted_compute_s=compute, predicted_comm_s=found.step_s - compute,
@@ -256,10 +258,11 @@ class _StageCosts:
                     "objective_s": found.step_s, "bound_s": found.step_s, "micro_batch_candidates": tried,
                     "stage_solvers": [plan.solver for plan in stage_plans]},
             mesh_candidates=tuple(c for plan in stage_plans for c in plan.mesh_candidates),
-            options={"optimizer": self.options["optimizer"], "pipeline": True},
+            options={**self.options.recorded(), "pipeline": True},
             sparse={k: v for plan in stage_plans for k, v in plan.sparse.items()},
             experts={k: v for plan in stage_plans for k, v in plan.experts.items()},
-            stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m))
+            stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m), family="pipeline",
+            timings={"plan_s": time.perf_counter() - start})
 
 
 def _no_fit(cluster: Cluster, groups: list[DeviceGroup], worst: tuple[str, int] | None) -> AutoparError:

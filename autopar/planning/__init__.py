@@ -1,0 +1,97 @@
+"""The planning layer: candidate families behind one interface, and the one place that picks
+the winner (:func:`choose`) and lowers a plan (:func:`lower_plan`).
+
+Families (``FAMILIES``, tried in this order): one mesh over every device
+(:mod:`.one_mesh`), pipeline stages over device groups (:mod:`.pipeline`), data-parallel
+replicas on the groups (:mod:`.replicas`). Each reads the model through one
+:class:`ModelGraphs` (captured once) and one :class:`PlanOptions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan
+from autopar.planning.family import Family
+from autopar.planning.graphs import ModelGraphs
+from autopar.planning.one_mesh import OneMesh, mesh_search
+from autopar.planning.options import PlanOptions
+from autopar.planning.pipeline import PipelineStages
+from autopar.planning.replicas import ReplicaGroups
+
+log = logging.getLogger(__name__)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (OneMesh(), PipelineStages(), ReplicaGroups())}
+
+__all__ = ["FAMILIES", "Family", "ModelGraphs", "PlanOptions", "choose", "lower_plan"]
+
+
+def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
+    """The fastest plan over the families that can serve ``cluster`` under ``options``.
+
+    A family the options force (``pipeline=True``) is the only one tried, and must be
+    available; one the options rule out (``False``) is not tried. A family that finds no
+    plan that fits is recorded as infeasible; one that does not suit the model (too few
+    layers, a batch that does not split …) is recorded as skipped with the reason — unless it
+    was the only one tried, or it is the one-mesh family failing for a reason other than
+    memory (then that error is the user's). The plan lists every family tried
+    (``plan.families``) and the hand-written baselines on this cluster (``plan.baselines``).
+    """
+    start = time.perf_counter()
+    forced = [name for name in FAMILIES if options.forced(name)]
+    for name in forced:
+        reason = FAMILIES[name].unavailable(cluster, options)
+        if reason:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"{name}=True, but {cluster.describe()} cannot host it: {reason}")
+    tried = forced or [name for name, family in FAMILIES.items()
+                       if options.forced(name) is not False and not family.unavailable(cluster, options)]
+    found: dict[str, Plan] = {}
+    entries: dict[str, dict] = {}
+    error = None
+    for name in tried:
+        try:
+            found[name] = FAMILIES[name].plan(graphs, cluster, options)
+            entries[name] = {"predicted_step_s": found[name].predicted_step_s, "feasible": True}
+        except AutoparError as exc:
+            if len(tried) == 1 or (name == "one_mesh" and exc.kind is not ErrorKind.INFEASIBLE_MEMORY):
+                raise
+            entries[name] = {"predicted_step_s": None, "feasible": False}
+            if exc.kind is ErrorKind.INFEASIBLE_MEMORY:
+                entries[name]["reason"] = "does not fit in memory"
+                error = error or exc
+            else:  # not applicable to this model (batch, layers, tied weights …): say why, go on
+                entries[name]["skipped"] = exc.message
+                log.info("%s plans skipped: %s", name, exc.message)
+    if not found:
+        raise error
+    best = min(found.values(), key=lambda p: p.predicted_step_s)
+    baselines = best.baselines if best.family == "one_mesh" else _baselines(graphs, cluster, options)
+    return dataclasses.replace(best, baselines=baselines, families=entries,
+                               timings={**best.timings, "plan_s": time.perf_counter() - start,
+                                        "capture_s": graphs.capture_s})
+
+
+def _baselines(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> dict[str, dict]:
+    """The hand-written configurations over every device of ``cluster`` as one mesh (what a
+    person would write), whichever family won."""
+    if options.configuration is not None:
+        return {}
+    try:
+        return mesh_search(graphs, cluster, options).baselines
+    except AutoparError as exc:  # the plan stands without them; say why they are missing
+        log.warning("hand-written baselines not costed: %s", exc.message)
+        return {}
+
+
+def lower_plan(plan: Plan, model, loss_fn: Callable | None, captured=None):
+    """``plan`` on ``model`` in the current process group, by the family that made it."""
+    family = FAMILIES.get(plan.family)
+    if family is None:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"plan family {plan.family!r} is not one this autopar knows "
+                           f"({', '.join(FAMILIES)}); upgrade autopar or re-plan")
+    return family.lower(plan, model, loss_fn, captured)

@@ -1,0 +1,58 @@
+"""The model captured once for every family: :class:`ModelGraphs`.
+
+Families need the graph at different batch sizes (one mesh: the whole batch; pipeline
+stages: one micro-batch; replica groups: each group's share), each with its sparse lookups
+and expert groups annotated. Capturing is the slowest step of planning a small model, so
+each batch size is captured and annotated once here and every family reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from autopar.passes.capture import Captured, capture, normalize_inputs
+from autopar.passes.experts import annotate_experts
+from autopar.passes.sparse import annotate_lookups
+
+log = logging.getLogger(__name__)
+
+
+class ModelGraphs:
+    """``model`` on ``example_inputs`` (the global batch), captured on demand at any number of
+    leading rows. The full batch is captured at construction, so an untraceable model fails
+    at once. ``sparsity``: access densities of sparse tables (see :func:`autopar.plan`)."""
+
+    def __init__(self, model: nn.Module, example_inputs, sparsity: dict[str, float] | None = None) -> None:
+        self.model, self.sparsity = model, sparsity
+        self._at_rows: dict[int, Captured] = {}
+        self._derived: dict[Any, Any] = {}
+        start = time.perf_counter()
+        self.full = self._capture(example_inputs)  # checks the model, then the inputs
+        self.inputs = normalize_inputs(example_inputs)
+        self.capture_s = time.perf_counter() - start
+
+    def at_rows(self, rows: int) -> Captured:
+        """The graph at the first ``rows`` rows of every input (a micro-batch, a group's share)."""
+        if self.inputs and self.inputs[0].dim() and rows == self.inputs[0].shape[0]:
+            return self.full
+        if rows not in self._at_rows:
+            self._at_rows[rows] = self._capture(tuple(x[:rows] for x in self.inputs))
+        return self._at_rows[rows]
+
+    def derived(self, key: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per ``key`` for these graphs (e.g. the one-mesh search's
+        prepared problems, which the winner's baselines reuse)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
+
+    def _capture(self, inputs) -> Captured:
+        captured = capture(self.model, inputs)
+        annotate_lookups(captured, inputs, self.sparsity)
+        annotate_experts(captured, inputs)
+        return captured

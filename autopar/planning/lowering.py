@@ -1,0 +1,25 @@
+"""What every family's ``lower`` needs: the process group's device type, and the model's
+graph at the plan's input shapes when the caller has none."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.plan import Plan
+from autopar.passes.capture import Captured, capture
+from autopar.passes.materialize import on_meta
+
+
+def device_type() -> str:
+    """The device the process group's collectives run on."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def capture_for(model: nn.Module, plan: Plan) -> Captured:
+    """Capture ``model`` on zeros shaped like the plan's inputs (one micro-batch for a pipeline)."""
+    device = torch.device("meta") if on_meta(model) else next(
+        (p.device for p in model.parameters()), torch.device("cpu"))
+    inputs = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device) for spec in plan.inputs)
+    return capture(model, inputs)

@@ -1,0 +1,340 @@
+"""The one-mesh family: every device in one mesh, the sharding ILP over candidate meshes.
+
+Capture → costs → strategies per candidate mesh → solve → Plan. Every candidate mesh (1-D,
+and 2-D with the inner dim inside a host) gets a problem and its LP lower bound; meshes are
+then solved in order of that bound (the simpler mesh first on equal bounds), and a mesh whose
+bound cannot beat the best plan found so far is pruned (status "PRUNED"): branch and bound
+over meshes, so the winner is still the optimum over all of them. Ties keep the mesh solved
+first, so results are stable. The hand-written configurations (planning.hand_written) are
+costed on every mesh first: they are the plan's baselines and the solver's warm start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError, ErrorKind
+from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
+from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, placement_text
+from autopar.planning.hand_written import baseline_problem, cost_baselines
+from autopar.planning.options import PlanOptions
+from autopar.planning.sections import expert_layers, sparse_tables
+from autopar.units import format_bytes
+from autopar.problem import ShardingProblem, Solution
+from autopar.passes.capture import Captured
+from autopar.passes.layers import find_repeated_layers
+from autopar.passes.cost import annotate_costs, tensor_bytes
+from autopar.passes.memory import annotate_saved
+from autopar.passes.problem import (
+    ProblemIndex, annotate_strategies, build_problem, lookup_exchange_s, table_wise_by_owners,
+    unit_links)
+from autopar.solvers import get_solver
+from autopar.solvers.baselines import BASELINES, BASELINES_2D
+
+log = logging.getLogger(__name__)
+
+
+class OneMesh:
+    """Family "one_mesh": one mesh over every device of the cluster."""
+
+    name = "one_mesh"
+
+    def unavailable(self, cluster: Cluster, options: PlanOptions) -> str | None:
+        return None  # any cluster is one mesh (mixed devices run at the slowest one's pace)
+
+    def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
+        return mesh_search(graphs, cluster, options).best()
+
+    def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from autopar.parallel import ParallelModule
+        from autopar.passes.lower import lower
+        from autopar.planning.lowering import capture_for, device_type
+
+        mesh = init_device_mesh(device_type(), plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+        return ParallelModule(lower(captured or capture_for(model, plan), plan, mesh, model), plan, loss_fn)
+
+
+def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
+    """The one-mesh search of ``graphs``' full batch on ``cluster``, prepared once: the family's
+    plan and the hand-written baselines every winner lists share its problems."""
+    return graphs.derived(("one_mesh", id(cluster), options), lambda: MeshSearch(graphs.full, cluster, options))
+
+
+def make_plan(captured: Captured, cluster: Cluster, options: PlanOptions, **kwargs) -> Plan:
+    """The best intra-operator plan of ``captured`` over ``cluster``'s devices (see
+    :class:`MeshSearch` for ``kwargs``)."""
+    return MeshSearch(captured, cluster, options, **kwargs).best()
+
+
+class MeshSearch:
+    """Problems of ``captured`` on every candidate mesh, their hand-written baselines, and the
+    optimum. A pipeline stage is planned the same way on its own group: ``activation_copies``
+    micro-batches in flight, ``baselines=False`` skips the hand-written configurations, and
+    ``annotate=False`` keeps the cost and saved-activation annotations its nodes already carry.
+    ``options.configuration`` (a baseline's name) makes :meth:`best` return that hand-written
+    configuration's plan instead of the optimum (to measure it, e.g.)."""
+
+    def __init__(self, captured: Captured, cluster: Cluster, options: PlanOptions, *, activation_copies: int = 1,
+                 baselines: bool = True, annotate: bool = True) -> None:
+        self.captured, self.cluster, self.options = captured, cluster, options
+        self.activation_copies = activation_copies
+        self.with_baselines = baselines and options.configuration is None
+        self.start = time.perf_counter()
+        if annotate:
+            annotate_costs(captured.graph)
+            annotate_saved(captured.graph)
+        meshes = [checked_mesh(cluster, options.mesh_shape)] if options.mesh_shape else candidate_meshes(cluster)
+        self.engine = get_solver(options.solver, time_limit_s=options.time_limit_s)
+        self.repeated = find_repeated_layers(captured) if options.cluster_layers else {}
+        self.repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
+        prepared = []
+        for order, mesh in enumerate(meshes):
+            annotate_strategies(captured, mesh.shape, skip=self.repeated)
+            problem, index = self._problem(mesh)
+            prepared.append((self.engine.lower_bound(problem), order, mesh, problem, index))
+        self.prepared = sorted(prepared, key=lambda p: p[:2])  # by bound, then the simpler mesh
+        self.prepare_s = time.perf_counter() - self.start
+        self._baselines: tuple[dict[str, dict], dict[int, list[int] | None]] | None = None
+
+    def _problem(self, mesh: MeshSpec, tables_whole: bool = False):
+        return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
+                             self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole)
+
+    @staticmethod
+    def _rules(mesh: MeshSpec) -> dict:
+        return BASELINES if len(mesh.shape) == 1 else BASELINES_2D
+
+    @property
+    def baselines(self) -> dict[str, dict]:
+        """Each hand-written configuration on its best mesh: {name: {predicted_step_s,
+        feasible, memory_bytes, and reason when infeasible}}."""
+        return self._costed_baselines()[0]
+
+    def _costed_baselines(self) -> tuple[dict[str, dict], dict[int, list[int] | None]]:
+        """The baselines, and per mesh the best baseline's choice (that mesh's warm start)."""
+        if self._baselines is None:
+            found: dict[str, dict] = {}
+            hints: dict[int, list[int] | None] = {}
+            for _bound, order, mesh, problem, index in self.prepared:
+                rules = self._rules(mesh) if self.with_baselines else {}
+                costed, hints[order] = cost_baselines(self.captured, problem, index, self.engine, rules)
+                for name, entry in costed.items():  # each baseline keeps its best mesh
+                    old = found.get(name)
+                    if old is None or entry["feasible"] and (not old["feasible"] or
+                                                             entry["predicted_step_s"] < old["predicted_step_s"]):
+                        found[name] = entry
+            for name in (*BASELINES, *BASELINES_2D) if self.with_baselines else ():
+                found.setdefault(name, {"predicted_step_s": None, "feasible": False,
+                                        "reason": "no mesh of this cluster has its shape"})
+            self._baselines = (found, hints)
+        return self._baselines
+
+    def best(self) -> Plan:
+        """The optimum over the candidate meshes (or the pinned configuration's plan)."""
+        baselines, hints = self._costed_baselines()
+        configuration = self.options.configuration
+        best = None
+        candidates: dict[int, dict] = {}
+        lower_bounds = []
+        for bound, order, mesh, problem, index in self.prepared:
+            if configuration is not None:
+                rule = self._rules(mesh).get(configuration)
+                pinned = baseline_problem(self.captured, problem, index, configuration, rule) if rule else None
+                if pinned is None:  # not expressible on this mesh
+                    candidates[order] = {"mesh_shape": list(mesh.shape), "status": "NOT_APPLICABLE",
+                                         "predicted_step_s": None, "bound_s": None}
+                    continue
+                problem = pinned
+            if best is not None and bound >= best[5] * (1 - 1e-9):
+                # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
+                candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
+                                     "bound_s": _finite(bound)}
+                continue
+            log.info("mesh %s: solving (%d nodes, %d edges)", list(mesh.shape), problem.num_nodes, len(problem.edges))
+            solution, problem, excess, spread_s = self._solve(mesh, problem, index, hints[order])
+            candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
+                                 "predicted_step_s": solution.objective_s + spread_s if solution.choice else None,
+                                 "bound_s": _finite(solution.bound_s)}
+            if not solution.choice:
+                lower_bounds.append(problem.min_memory())
+                continue
+            if best is None or solution.objective_s + spread_s < best[5] * (1 - 1e-9):
+                best = (mesh, problem, solution, index, excess, solution.objective_s + spread_s)
+        candidates = [candidates[k] for k in sorted(candidates)]
+        if best is None and configuration is not None and not lower_bounds:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"configuration {configuration!r} cannot be expressed for this "
+                               f"model on {self.cluster.describe()} (meshes tried: "
+                               f"{[c['mesh_shape'] for c in candidates]}): a placement it needs does not split evenly (e.g. the "
+                               "batch over the data-parallel degree), or the model has none of the layers it "
+                               "parallelises")
+        if best is None:
+            raise _infeasible(self.cluster, min(lower_bounds) if lower_bounds else 0, candidates)
+        mesh, problem, solution, index, excess, step_s = best
+        plan_s = time.perf_counter() - self.start
+        plan = _to_plan(self.captured, self.cluster, mesh, problem, solution, index, candidates, self.options,
+                        baselines, excess, step_s,
+                        timings={"plan_s": plan_s, "prepare_s": self.prepare_s, "solve_s": solution.solve_s,
+                                 "solve_total_s": plan_s - self.prepare_s})
+        log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
+        return plan
+
+    def _solve(self, mesh: MeshSpec, problem: ShardingProblem, index: ProblemIndex, hint: list[int] | None
+               ) -> tuple[Solution, ShardingProblem, int, float]:
+        """Solve one mesh's problem; returns the solution, the problem it solved, the busiest
+        table-wise owner's bytes beyond the even split, and the owners' extra exchange time."""
+        solution = self.engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
+        # the problem charged the table-wise tables evenly spread over their owners: the owners
+        # picked for this choice hold (and send) more on the busiest device
+        optimizer = self.options.optimizer
+        excess, spread_s = table_wise_by_owners(self.captured, index, solution.choice, mesh, optimizer) \
+            if solution.choice else (0, 0.0)
+        if excess and problem.memory(solution.choice) + excess > problem.memory_limit_bytes:
+            # the owners cannot spread the table-wise tables evenly enough: charge them whole
+            # on every device (a bound whatever the owners) and solve again
+            log.info("mesh %s: table-wise owners %d bytes over the even split; solving again", list(mesh.shape), excess)
+            annotate_strategies(self.captured, mesh.shape, skip=self.repeated)  # the graph holds the last mesh's
+            whole, _ = self._problem(mesh, tables_whole=True)
+            problem = dataclasses.replace(whole, fixed=problem.fixed, excluded=problem.excluded)
+            solution = self.engine.solve(problem, hint=hint)
+            spread_s = table_wise_by_owners(self.captured, index, solution.choice, mesh, optimizer)[1] \
+                if solution.choice else 0.0
+            excess = 0  # charged whole: the busiest owner holds no more
+        return solution, problem, excess, spread_s
+
+
+def _unclustered_variables(problem: ShardingProblem) -> int:
+    """Variables the ILP would have without folding repeated layers (x per node and strategy,
+    y per allowed class pair of edges with several classes on both sides)."""
+    total = sum(problem.count(i) * len(costs) for i, costs in enumerate(problem.node_costs))
+    for e in problem.edges:
+        if len(set(e.src_class)) > 1 and len(set(e.dst_class)) > 1:
+            total += e.count * sum(c is not None for row in e.cost for c in row)
+    return total
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _infeasible(cluster: Cluster, needed: int, candidates) -> AutoparError:
+    limit = cluster.memory_limit_bytes
+    if needed > limit:
+        shortfall = f"{needed - limit} bytes over"
+    else:  # each node's leanest strategy fits, but they do not chain without resharding copies
+        shortfall = ("each node's leanest placement would fit, but no placement of the whole graph "
+                     "that chains them does")
+    return AutoparError(
+        ErrorKind.INFEASIBLE_MEMORY,
+        f"no plan fits in memory on {cluster.describe()}: even the most sharded placement needs at least "
+        f"{needed} bytes ({format_bytes(needed)}) per device, each device has {limit} bytes "
+        f"({format_bytes(limit)}); {shortfall} (meshes tried: "
+        f"{[c['mesh_shape'] for c in candidates]}). Fixes: 1) more devices, 2) a smaller batch, "
+        "3) a larger memory_limit or devices with more memory, 4) an optimizer with less state (sgd)",
+        needed_bytes=needed)
+
+
+_ALTERNATIVES = 4
+
+
+def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) -> list[float]:
+    """Resharding time on one graph node's edges for each strategy of its problem node ``q``,
+    every neighbour as chosen. ``incident``: (problem edge, node is its producer) pairs."""
+    costs = []
+    for t in range(len(problem.node_costs[q])):
+        total = 0.0
+        for e, as_producer in incident:
+            s_src = t if as_producer else choice[e.src]
+            s_dst = choice[e.dst] if as_producer else t
+            total += e.pair_cost(s_src, s_dst)
+        costs.append(total)
+    return costs
+
+
+def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: ShardingProblem, solution: Solution,
+             index: ProblemIndex, candidates, options: PlanOptions, baselines: dict, table_excess: int = 0,
+             step_s: float | None = None, timings: dict[str, float] | None = None) -> Plan:
+    """Every graph node (copies of repeated layers included) gets its problem node's choice.
+    ``table_excess``: bytes the busiest table-wise owner holds beyond the even split the
+    problem charged (the plan's memory is the busiest device's); ``step_s``: the step time
+    with the table-wise owners' real spread (default: the solver's objective)."""
+    incident: dict[str, list] = {}
+    for (producer, consumer, _arg), k in index.edge_of.items():
+        incident.setdefault(producer, []).append((problem.edges[k], True))
+        incident.setdefault(consumer, []).append((problem.edges[k], False))
+    nodes, parameters, buffers = {}, {}, {}
+    memory = {"param": table_excess, "act": 0}
+    states = options.optimizer_states
+    for node in captured.graph.nodes:
+        q = index.node_of.get(node.name)
+        if q is None:
+            continue
+        choice = solution.choice[q]
+        chosen = index.strategies[q][choice]
+        kind = index.kinds[q]
+        if kind == "param":
+            fqn = captured.parameter_of[node.name]
+            split = tuple(d for d, p in enumerate(chosen.outputs[0]) if p.startswith("S("))
+            exchange = "reduce_scatter" if split else "allreduce"
+            parameters[fqn] = ParameterPlan(placement_text(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
+            memory["param"] += problem.node_memory[q][choice]
+        elif kind == "buffer":
+            buffers[captured.buffer_of[node.name]] = placement_text(chosen.outputs[0])
+        elif kind in ("op", "input"):
+            local = _local_costs(problem, solution.choice, q, incident.get(node.name, []))
+            others = sorted((t for t in range(len(local)) if t != choice and math.isfinite(local[t])),
+                            key=lambda t: (problem.node_costs[q][t] + local[t], t))[:_ALTERNATIVES]
+            nodes[node.name] = NodePlan(
+                op=str(node.target) if kind == "op" else "input",
+                outputs=tuple(placement_text(p) for p in chosen.outputs),
+                inputs=tuple(placement_text(p) for p in chosen.inputs),
+                compute_s=problem.node_costs[q][choice],
+                fallback=bool(index.fallback[q]),
+                reshard_s=local[choice],
+                alternatives=tuple({
+                    "outputs": [placement_text(p) for p in index.strategies[q][t].outputs],
+                    "inputs": [placement_text(p) for p in index.strategies[q][t].inputs],
+                    "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
+                    "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
+                } for t in others),
+                memory_bytes=problem.node_memory[q][choice], exchange=chosen.exchange)
+            memory["act"] += problem.node_memory[q][choice]
+    sparse = sparse_tables(captured, nodes, parameters, mesh)
+    experts = expert_layers(captured, parameters, nodes, mesh)
+    sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
+    compute_total = problem.compute(solution.choice)
+    per_copy = memory["param"] // (2 + states)
+    return Plan(
+        fingerprint=captured.fingerprint,
+        cluster=cluster.plan_header(),
+        mesh_shape=mesh.shape, mesh_dim_names=mesh.dim_names, inputs=tuple(captured.inputs),
+        nodes=nodes, parameters=parameters, buffers=buffers,
+        predicted_step_s=step_s if step_s is not None else solution.objective_s, predicted_compute_s=compute_total,
+        predicted_comm_s=(step_s if step_s is not None else solution.objective_s) - compute_total,
+        memory=MemoryBreakdown(per_copy, per_copy, per_copy * states, memory["act"]),
+        solver={"name": options.solver, "status": solution.status, "method": solution.method,
+                "objective_s": solution.objective_s,
+                "bound_s": solution.bound_s, "variables": solution.num_variables,
+                "constraints": solution.num_constraints, "nodes": len(index.node_of),
+                "gap": max(0.0, (solution.objective_s - solution.bound_s) / solution.objective_s)
+                if solution.objective_s > 0 else 0.0,
+                "variables_unclustered": _unclustered_variables(problem),
+                "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
+                "distinct_edges": len(problem.edges)},
+        mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
+        experts=experts, comm_bytes=sent, timings=timings,
+    )
+
+
+def _bytes_sent(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
+                mesh: MeshSpec) -> float:
+    """Bytes one device sends per step under ``choice``: every reshard and gradient collective
+    on its edge, and the sparse row exchanges of lookups."""
+    total = sum(e.count * e.pair_bytes(choice[e.src], choice[e.dst]) for e in problem.edges)
+    return total + lookup_exchange_s(captured, problem, index, choice, unit_links(mesh))

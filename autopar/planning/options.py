@@ -1,0 +1,69 @@
+"""One frozen value for every planning option, checked once where it is made.
+
+The families read what concerns them (the pipeline its micro-batches and schedule, the
+replicas their batch split); nothing is threaded through keyword arguments any more.
+
+>>> PlanOptions(optimizer="sgd").optimizer
+'sgd'
+>>> PlanOptions(schedule="zigzag")
+Traceback (most recent call last):
+...
+autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of 1F1B, GPipe
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.errors import AutoparError, ErrorKind
+from autopar.passes.problem import OPTIMIZER_STATES
+from autopar.solvers.baselines import BASELINES, BASELINES_2D
+
+SCHEDULES = ("1F1B", "GPipe")
+# hand-written configurations a person would write: costed beside every plan
+CONFIGURATIONS = tuple({**BASELINES, **BASELINES_2D})
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What :func:`autopar.plan` was asked for (see its docstring for each option)."""
+
+    optimizer: str = "adamw"
+    solver: str = "cpsat"
+    time_limit_s: float = 60.0
+    mesh_shape: tuple[int, ...] | None = None
+    cluster_layers: bool = True
+    pipeline: bool | None = None
+    micro_batches: int | None = None
+    schedule: str = "1F1B"
+    replicas: bool | None = None
+    batch_split: tuple[int, ...] | None = None
+    configuration: str | None = None
+    sparsity: dict[str, float] | None = field(default=None, hash=False)
+    symbolic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"unknown optimizer {self.optimizer!r}; choose one of "
+                               f"{', '.join(OPTIMIZER_STATES)}")
+        if self.configuration is not None and self.configuration not in CONFIGURATIONS:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"unknown configuration {self.configuration!r}; choose one of "
+                               f"{', '.join(CONFIGURATIONS)}")
+        if self.schedule not in SCHEDULES:
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.pipeline and self.replicas:
+            raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def forced(self, family: str) -> bool | None:
+        """True when the caller forces ``family``, False when they rule it out, else None."""
+        return {"pipeline": self.pipeline, "replicas": self.replicas}.get(family)
+
+    def recorded(self) -> dict[str, Any]:
+        """The options a plan records (``plan.options``)."""
+        return {"optimizer": self.optimizer}

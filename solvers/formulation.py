@@ -1,0 +1,193 @@
+r"""The sharding ILP, written once (Alpa's intra-operator formulation over placement classes).
+
+Plain numbers only: variables are indices into one flat list, each constraint family is a
+method returning named :class:`Row`\ s. solvers/ilp.py emits them into CP-SAT (0/1
+variables), solvers/relaxation.py into GLOP (the same rows over [0, 1]: the LP relaxation).
+
+Variables (x first, in node order, then y in edge order)
+    x[i,s] ∈ {0,1}          node i uses strategy s
+    y[e,u,v] ∈ {0,1}        edge e carries producer class u into consumer class v (only for
+                            allowed pairs, and only on edges with two or more classes on both
+                            sides; classes group strategies that give the same placement on that
+                            edge, so y is small)
+Objective (seconds of one training step)
+    min Σ_i n_i Σ_s c[i,s]·x[i,s] + Σ_e n_e Σ_{u,v} R[e,u,v]·y[e,u,v]
+        + Σ_{folded e} n_e Σ_v R[e,u₀,v]·Σ_{t ∈ v} x[dst(e),t]   (mirrored for a single consumer class)
+    (n_i, n_e: how many identical graph nodes / edges of repeated layers the term stands for;
+    the memory row is weighted the same way)
+Constraint families (one method each; a row's name says its family and node or edge)
+    one_strategy[i]:      Σ_s x[i,s] = 1                                ∀ i
+    edge_rows[e,u]:       Σ_v y[e,u,v] = Σ_{s ∈ u} x[src(e),s]          ∀ paired e, u
+    edge_cols[e,v]:       Σ_u y[e,u,v] = Σ_{t ∈ v} x[dst(e),t]          ∀ paired e, v
+    edge_forbidden[e,t]:  x[dst(e),t] = 0    folded e, R[e,u₀,class(t)] not allowed (mirrored)
+    memory:               Σ_i n_i Σ_s m[i,s]·x[i,s] ≤ M                 (bytes per device)
+    fixed[i]:             x[i,s] = 1         problem.fixed (baselines pin parameters, inputs)
+    excluded[i,s]:        x[i,s] = 0         problem.excluded
+
+Rows and columns of y sum to one-hot vectors, so y is the outer product of the two choices
+(the transportation polytope of two one-hot vectors has only that integer point). An edge
+whose producer side has a single class u₀ is *folded*: its edge_rows row reads
+Σ_v y = Σ_s x[src,s] = 1 (implied by one_strategy and edge_cols) and its edge_cols rows give
+y[e,u₀,v] = Σ_{t ∈ v} x[dst,t] (0 where the pair is not allowed), so y is a linear function
+of x — in the integer model and in its relaxation alike. Substituting it changes neither the
+optimum nor the LP bound, and the edge needs no y (the same when the consumer side has one
+class).
+
+>>> from autopar.problem import Edge, ShardingProblem
+>>> p = ShardingProblem(["a", "b"], [[1.0, 2.0], [1.0, 1.0]], [[0, 0], [0, 0]],
+...                     [Edge(0, 1, [0, 1], [0, 0], [[0.0], [None]])], 1)
+>>> f = Formulation(p)
+>>> f.num_variables, f.objective_vars, f.objective_coeffs
+(4, [0, 1, 2, 3], [1.0, 2.0, 1.0, 1.0])
+>>> list(f.edge_consistency())
+[Row(name='edge_forbidden[0,1]', vars=[1], coeffs=[1], lo=0, hi=0, exactly_one=False, unit=1.0)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+
+from autopar.problem import Edge, ShardingProblem
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """``lo ≤ Σ_k coeffs[k]·var[vars[k]] ≤ hi``."""
+
+    name: str  # family[index], e.g. "edge_rows[3,1]"
+    vars: list[int]
+    coeffs: list[float]
+    lo: float
+    hi: float
+    exactly_one: bool = False  # a sum of 0/1 variables equal to 1 (CP-SAT has a constraint for that)
+    unit: float = 1.0  # size of the row's unit (bytes: 2**30), for a floating-point backend to state it in
+
+
+class Formulation:
+    """Variables, objective and constraint families of one problem. The families that depend
+    on ``problem.fixed`` and ``problem.excluded`` take them as arguments, so one formulation
+    serves the baselines (the same problem with other fixed placements).
+
+    It keeps few Python objects: rows are made as a backend consumes them, with flat lists of
+    numbers, and y are ranges of indices. Planning holds a large heap, and every object that
+    outlives a garbage-collector pass makes full passes over that heap likelier (rows as lists
+    of tuples, all made at once, made building the Llama-8B LPs ~60% slower)."""
+
+    def __init__(self, problem: ShardingProblem) -> None:
+        self.problem = problem
+        self.x: list[list[int]] = []  # [i][s] -> variable
+        self.num_x = 0
+        for costs in problem.node_costs:
+            self.x.append(list(range(self.num_x, self.num_x + len(costs))))
+            self.num_x += len(costs)
+        self.num_y = 0
+        self._first_y: dict[int, int] = {}  # paired edge k -> its first y (its y are consecutive)
+        # Σ objective_coeffs[k]·x[objective_vars[k]], in seconds; a variable may recur
+        self.objective_vars: list[int] = []
+        self.objective_coeffs: list[float] = []
+        for i, costs in enumerate(problem.node_costs):
+            self._cost(self.x[i], [problem.count(i) * c for c in costs])
+        for k, e in enumerate(problem.edges):
+            src_members, dst_members = e.members()
+            if _folded(src_members, dst_members):
+                self._cost(*self._folded_costs(e, src_members, dst_members))
+                continue
+            self._first_y[k] = self.num_variables
+            pairs = self._pairs(k, e, src_members, dst_members)
+            self.num_y += len(pairs)
+            self._cost([y for _, _, y, _ in pairs], [e.count * cost for *_, cost in pairs])
+
+    @property
+    def num_variables(self) -> int:
+        return self.num_x + self.num_y
+
+    def names(self) -> list[str]:
+        """Every variable's name, in order."""
+        names = [f"x[{n},{s}]" for n, row in zip(self.problem.node_names, self.x) for s in range(len(row))]
+        for k in self._first_y:  # in index order
+            e = self.problem.edges[k]
+            names += [f"y[{k},{u},{v}]" for u, v, _, _ in self._pairs(k, e, *e.members())]
+        return names
+
+    # -- constraint families -------------------------------------------------------------
+
+    def one_strategy(self) -> Iterator[Row]:
+        for name, row in zip(self.problem.node_names, self.x):
+            yield Row(f"one_strategy[{name}]", row, [1] * len(row), 1, 1, exactly_one=True)
+
+    def edge_consistency(self) -> Iterator[Row]:
+        """edge_rows and edge_cols of paired edges; edge_forbidden of folded ones."""
+        for k, e in enumerate(self.problem.edges):
+            src_members, dst_members = e.members()
+            if _folded(src_members, dst_members):
+                node = e.dst if len(src_members) == 1 else e.src  # the side with several classes
+                yield from (Row(f"edge_forbidden[{k},{var - self.x[node][0]}]", [var], [1], 0, 0)
+                            for var, cost in zip(*self._folded_costs(e, src_members, dst_members)) if cost is None)
+                continue
+            y_rows: dict[int, list[int]] = {u: [] for u in src_members}
+            y_cols: dict[int, list[int]] = {v: [] for v in dst_members}
+            for u, v, y, _ in self._pairs(k, e, src_members, dst_members):
+                y_rows[u].append(y)
+                y_cols[v].append(y)
+            for name, ys, node, members in (("edge_rows", y_rows, e.src, src_members),
+                                            ("edge_cols", y_cols, e.dst, dst_members)):
+                for c, ss in members.items():
+                    yield Row(f"{name}[{k},{c}]", ys[c] + [self.x[node][s] for s in ss],
+                              [1] * len(ys[c]) + [-1] * len(ss), 0, 0)
+
+    def memory(self) -> Iterator[Row]:
+        """The memory row (none when no strategy holds memory)."""
+        p = self.problem
+        variables, coeffs = [], []
+        for i, mems in enumerate(p.node_memory):
+            variables += [var for var, m in zip(self.x[i], mems) if m]
+            coeffs += [p.count(i) * m for m in mems if m]
+        if variables:
+            yield Row("memory", variables, coeffs, float("-inf"), p.memory_limit_bytes, unit=float(1 << 30))
+
+    def fixed(self, fixed: dict[int, int]) -> Iterator[Row]:
+        for i, s in fixed.items():
+            yield Row(f"fixed[{self.problem.node_names[i]}]", [self.x[i][s]], [1], 1, 1)
+
+    def excluded(self, excluded: frozenset[tuple[int, int]]) -> Iterator[Row]:
+        for i, s in excluded:
+            yield Row(f"excluded[{self.problem.node_names[i]},{s}]", [self.x[i][s]], [1], 0, 0)
+
+    def rows(self, fixed: dict[int, int], excluded: frozenset[tuple[int, int]]) -> Iterator[Row]:
+        """Every family, in order."""
+        return chain(self.one_strategy(), self.edge_consistency(), self.memory(), self.fixed(fixed),
+                     self.excluded(excluded))
+
+    # -- edges ---------------------------------------------------------------------------
+
+    def _folded_costs(self, e: Edge, src_members, dst_members) -> tuple[list[int], list[float | None]]:
+        """A folded edge's cost on the x of its other side: the variables, and n_e·R for each
+        (None: not allowed)."""
+        if len(src_members) == 1:
+            (u,) = src_members
+            node, costs = e.dst, [e.cost[u][v] for v, ts in dst_members.items() for _ in ts]
+            order = [t for ts in dst_members.values() for t in ts]
+        else:
+            (v,) = dst_members
+            node, costs = e.src, [e.cost[u][v] for u, ss in src_members.items() for _ in ss]
+            order = [s for ss in src_members.values() for s in ss]
+        return [self.x[node][s] for s in order], [None if c is None else e.count * c for c in costs]
+
+    def _pairs(self, k: int, e: Edge, src_members, dst_members) -> list[tuple[int, int, int, float]]:
+        """(u, v, y, R) for each allowed class pair of paired edge k."""
+        allowed = [(u, v, e.cost[u][v]) for u in src_members for v in dst_members if e.cost[u][v] is not None]
+        return [(u, v, self._first_y[k] + j, cost) for j, (u, v, cost) in enumerate(allowed)]
+
+    def _cost(self, variables: list[int], costs: list[float | None]) -> None:
+        """Objective terms (zero and forbidden ones left out)."""
+        for var, c in zip(variables, costs):
+            if c:
+                self.objective_vars.append(var)
+                self.objective_coeffs.append(c)
+
+
+def _folded(src_members: dict, dst_members: dict) -> bool:
+    """An edge with one class on a side needs no y."""
+    return len(src_members) == 1 or len(dst_members) == 1

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -55,22 +53,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
                           cluster_layers=cluster_layers, pipeline=pipeline, micro_batches=micro_batches,
                           schedule=schedule, replicas=replicas, batch_split=batch_split, configuration=configuration,
                           sparsity=sparsity, symbolic=symbolic)
-    graphs = ModelGraphs(model, example_inputs, sparsity)
-    result = choose(graphs, target, options)
-    return _with_symbolic_costs(result, graphs, target) if symbolic else result
-
-
-def _with_symbolic_costs(result: Plan, graphs, target: Cluster) -> Plan:
-    from autopar.planning.costing import symbolic_costs
-
-    if result.family != "one_mesh":
-        raise AutoparError(ErrorKind.BAD_INPUT, "symbolic costs are made for plans over one mesh; this plan uses "
-                           f"{'pipeline stages' if result.stages else 'replicas'} — plan with pipeline=False, "
-                           "replicas=False, or re-plan each batch size")
-    start = time.perf_counter()
-    symbolic = symbolic_costs(graphs.full, result, target, graphs.model, graphs.inputs)
-    return dataclasses.replace(result, symbolic=symbolic,
-                               timings={**result.timings, "symbolic_s": time.perf_counter() - start})
+    return choose(ModelGraphs(model, example_inputs, options.sparsity), target, options)
 
 
 def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:

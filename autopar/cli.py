@@ -112,7 +112,7 @@ def summary_json(plan) -> dict:
         "schedule": plan.schedule,
         "bubble": plan.bubble,
         "replicas": [{"group": r.group, "device": r.device, "devices": len(r.ranks), "mesh": list(r.mesh_shape),
-                      "batch": r.batch, "predicted_step_s": r.compute_s, "gradient_sync_s": r.send_s,
+                      "batch": r.batch, "predicted_step_s": r.step_s, "gradient_sync_s": r.sync_s,
                       "memory_bytes": r.memory.total_bytes} for r in plan.replicas],
         "peak_memory_bytes": [st.memory.total_bytes for st in (*plan.stages, *plan.replicas) for _ in st.ranks]
         or [plan.memory.total_bytes] * plan.num_devices,

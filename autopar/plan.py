@@ -22,7 +22,7 @@ from typing import Any
 
 from autopar.errors import AutoparError, ErrorKind
 
-SCHEMA_VERSION = 2  # 2: family and families (the planner's own families apart from baselines)
+SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -130,14 +130,43 @@ class StagePlan:
     send_s: float
     in_flight: int  # micro-batches whose activations the stage holds at once (1F1B: stages after it + 1)
     memory: MemoryBreakdown
-    batch: int = 0  # a data-parallel replica: its share of the global batch (0 for a stage)
-    fingerprint: str = ""  # a replica: its graph at that batch (what apply() checks)
+
+    @property
+    def busy_s(self) -> float:
+        """Time its devices compute per micro-batch (what imbalance compares)."""
+        return self.compute_s
 
     @classmethod
     def from_json(cls, d: dict) -> "StagePlan":
         return cls(d["group"], d["device"], tuple(d["ranks"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
-                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]),
-                   d.get("batch", 0), d.get("fingerprint", ""))
+                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]))
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """One data-parallel replica: a device group running the whole model, with its own mesh,
+    on its ``batch`` rows of the global batch. ``step_s``: its forward and backward on those
+    rows; ``sync_s``: the gradient all-reduce between groups that ends every step."""
+
+    group: str
+    device: str
+    ranks: tuple[int, ...]
+    mesh_shape: tuple[int, ...]
+    mesh_dim_names: tuple[str, ...]
+    batch: int
+    step_s: float
+    sync_s: float
+    memory: MemoryBreakdown
+    fingerprint: str  # its graph at that batch (what apply() checks)
+
+    @property
+    def busy_s(self) -> float:
+        return self.step_s
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ReplicaPlan":
+        return cls(d["group"], d["device"], tuple(d["ranks"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
+                   d["batch"], d["step_s"], d["sync_s"], MemoryBreakdown(**d["memory"]), d["fingerprint"])
 
 
 @dataclass(frozen=True)
@@ -171,7 +200,7 @@ class Plan:
     # heterogeneous data parallelism: every group runs the whole model (``nodes`` placed on its
     # own mesh) on its ``batch`` rows of the global batch; ``send_s``: the gradient all-reduce
     # between groups; ``inputs`` then describe the global batch
-    replicas: tuple[StagePlan, ...] = ()
+    replicas: tuple[ReplicaPlan, ...] = ()
     micro_batches: int = 1
     schedule: str | None = None
     bubble: float = 0.0
@@ -264,7 +293,7 @@ class Plan:
                 memory=MemoryBreakdown(**d["memory"]), solver=d["solver"],
                 mesh_candidates=tuple(d["mesh_candidates"]), options=d["options"], baselines=d["baselines"],
                 stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
-                replicas=tuple(StagePlan.from_json(st) for st in d.get("replicas", ())),
+                replicas=tuple(ReplicaPlan.from_json(r) for r in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
                 symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), family=d["family"],
@@ -289,7 +318,11 @@ def _from_version_1(d: dict) -> dict:
     if not isinstance(baselines, dict):
         return d  # malformed: reported by the field checks that follow
     family = "pipeline" if d.get("stages") else "replicas" if d.get("replicas") else "one_mesh"
-    return {**d, "family": family, "baselines": {k: v for k, v in baselines.items() if k not in _FAMILIES_V1},
+    stage_fields = ("group", "device", "ranks", "mesh_shape", "mesh_dim_names", "memory")
+    stages = [{k: v for k, v in st.items() if k not in ("batch", "fingerprint")} for st in d.get("stages", ())]
+    replicas = [{**{k: r[k] for k in (*stage_fields, "batch", "fingerprint")}, "step_s": r["compute_s"],
+                 "sync_s": r["send_s"]} for r in d.get("replicas", ())]  # version 1 held them as stages
+    return {**d, "family": family, "stages": stages, "replicas": replicas, "baselines": {k: v for k, v in baselines.items() if k not in _FAMILIES_V1},
             "families": {_FAMILIES_V1[k]: v for k, v in baselines.items() if k in _FAMILIES_V1}}
 
 

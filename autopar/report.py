@@ -92,12 +92,12 @@ def stages_table(plan: Plan) -> Table:
 def replicas_table(plan: Plan) -> Table:
     total = sum(r.batch for r in plan.replicas)
     table = Table(title=f"data-parallel replicas: the batch of {total} split by group speed, gradients summed "
-                        f"between groups ({format_seconds(plan.replicas[0].send_s)} per step)")
+                        f"between groups ({format_seconds(plan.replicas[0].sync_s)} per step)")
     for column in ("group", "devices", "mesh", "rows", "share", "step", "memory"):
         table.add_column(column)
     for r in plan.replicas:
         table.add_row(r.group, f"{len(r.ranks)}x{r.device}", str(list(r.mesh_shape)), str(r.batch),
-                      f"{100 * r.batch / total:.0f}%", format_seconds(r.compute_s), format_bytes(r.memory.total_bytes))
+                      f"{100 * r.batch / total:.0f}%", format_seconds(r.step_s), format_bytes(r.memory.total_bytes))
     return table
 
 
@@ -167,7 +167,7 @@ def imbalance(plan: Plan) -> dict[str, float]:
     groups = plan.stages or plan.replicas
     if not groups:
         return {"time": 1.0, "memory": 1.0}
-    busy = [g.compute_s for g in groups for _ in g.ranks]
+    busy = [g.busy_s for g in groups for _ in g.ranks]
     memory = [g.memory.total_bytes for g in groups for _ in g.ranks]
 
     def ratio(values: list[float]) -> float:

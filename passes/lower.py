@@ -232,7 +232,7 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
 
 
 def group_meshes(groups: tuple, device_type: str) -> tuple[list[DeviceMesh], list[dist.ProcessGroup], int, int]:
-    """Every group's DeviceMesh (pipeline stages, replicas: ``StagePlan``s) and every lane's
+    """Every group's DeviceMesh (pipeline stages: ``StagePlan``s, replicas: ``ReplicaPlan``s) and every lane's
     process group (the k-th rank of every group). Every rank builds all of them, in the same
     order, as process-group creation requires; returns them with this rank's group and lane."""
     meshes = [DeviceMesh(device_type, torch.tensor(g.ranks).reshape(g.mesh_shape), mesh_dim_names=g.mesh_dim_names)

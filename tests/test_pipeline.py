@@ -195,8 +195,8 @@ def test_replicas_split_the_batch_by_group_speed(tmp_path):
     speed = (autopar.plan(share, _, cluster="1xV100-32GB").predicted_step_s
              / autopar.plan(share, _, cluster="1xH100").predicted_step_s)
     assert abs((fast.batch / slow.batch) / speed - 1) <= 0.15, (fast.batch, slow.batch, speed)
-    assert plan.predicted_step_s == pytest.approx(max(fast.compute_s, slow.compute_s) + fast.send_s)
-    assert fast.send_s > 0 and Plan.from_json(plan.to_json()) == plan
+    assert plan.predicted_step_s == pytest.approx(max(fast.step_s, slow.step_s) + fast.sync_s)
+    assert fast.sync_s > 0 and Plan.from_json(plan.to_json()) == plan
 
 
 def test_a_stage_that_fits_no_group_names_the_layer_bytes_and_largest_group(tmp_path):

@@ -48,6 +48,19 @@ def test_version_1_plan_files_load_with_their_families_apart(gpt_plan):
     assert Plan.from_json(json.dumps(old)) == gpt_plan
 
 
+def test_version_1_replica_plans_load_with_replica_groups_of_their_own():
+    regions = os.path.join(os.path.dirname(__file__), "clusters", "two_cpu_regions.yaml")
+    plan = autopar.plan(GPT(layers=2), (torch.randint(0, 64, (4, 8)),), cluster=regions, replicas=True)
+    old = json.loads(plan.to_json())
+    old["schema_version"] = 1
+    old.pop("family")
+    old["baselines"] = {**old["baselines"], "replicas": old.pop("families")["replicas"]}
+    # version 1 wrote replica groups as pipeline stages: step time in compute_s, gradient sync in send_s
+    old["replicas"] = [{**{k: v for k, v in r.items() if k not in ("step_s", "sync_s")}, "layers": [],
+                        "compute_s": r["step_s"], "send_s": r["sync_s"], "in_flight": 1} for r in old["replicas"]]
+    assert Plan.from_json(json.dumps(old)) == plan
+
+
 def test_plan_files_of_unknown_versions_name_the_version(gpt_plan):
     newer = json.loads(gpt_plan.to_json())
     newer["schema_version"] = 99

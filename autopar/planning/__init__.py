@@ -71,9 +71,24 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
         raise error
     best = min(found.values(), key=lambda p: p.predicted_step_s)
     baselines = best.baselines if best.family == "one_mesh" else _baselines(graphs, cluster, options)
-    return dataclasses.replace(best, baselines=baselines, families=entries,
+    best = dataclasses.replace(best, baselines=baselines, families=entries,
                                timings={**best.timings, "plan_s": time.perf_counter() - start,
                                         "capture_s": graphs.capture_s})
+    return _with_symbolic_costs(best, graphs, cluster) if options.symbolic else best
+
+
+def _with_symbolic_costs(plan: Plan, graphs: ModelGraphs, cluster: Cluster) -> Plan:
+    """``plan`` with its step time as a formula of the batch size (``plan.symbolic``)."""
+    from autopar.planning.costing import symbolic_costs
+
+    if plan.family != "one_mesh":
+        raise AutoparError(ErrorKind.BAD_INPUT, "symbolic costs are made for plans over one mesh; this plan uses "
+                           f"{'pipeline stages' if plan.stages else 'replicas'} — plan with pipeline=False, "
+                           "replicas=False, or re-plan each batch size")
+    start = time.perf_counter()
+    symbolic = symbolic_costs(graphs.full, plan, cluster, graphs.model, graphs.inputs)
+    return dataclasses.replace(plan, symbolic=symbolic,
+                               timings={**plan.timings, "symbolic_s": time.perf_counter() - start})
 
 
 def _baselines(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> dict[str, dict]:

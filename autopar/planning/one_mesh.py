@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
@@ -140,9 +141,9 @@ class MeshSearch:
         """The optimum over the candidate meshes (or the pinned configuration's plan)."""
         baselines, hints = self._costed_baselines()
         configuration = self.options.configuration
-        best = None
+        best: _Incumbent | None = None
         candidates: dict[int, dict] = {}
-        lower_bounds = []
+        least_memory_bytes = []  # per infeasible mesh: the least any placement needs
         for bound, order, mesh, problem, index in self.prepared:
             if configuration is not None:
                 rule = self._rules(mesh).get(configuration)
@@ -152,7 +153,7 @@ class MeshSearch:
                                          "predicted_step_s": None, "bound_s": None}
                     continue
                 problem = pinned
-            if best is not None and bound >= best[5] * (1 - 1e-9):
+            if best is not None and bound >= best.step_s * (1 - 1e-9):
                 # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
                 candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
                                      "bound_s": _finite(bound)}
@@ -163,19 +164,19 @@ class MeshSearch:
                                  "predicted_step_s": solution.objective_s + spread_s if solution.choice else None,
                                  "bound_s": _finite(solution.bound_s)}
             if not solution.choice:
-                lower_bounds.append(problem.min_memory())
+                least_memory_bytes.append(problem.min_memory())
                 continue
-            if best is None or solution.objective_s + spread_s < best[5] * (1 - 1e-9):
-                best = (mesh, problem, solution, index, excess, solution.objective_s + spread_s)
+            if best is None or solution.objective_s + spread_s < best.step_s * (1 - 1e-9):
+                best = _Incumbent(mesh, problem, solution, index, excess, solution.objective_s + spread_s)
         candidates = [candidates[k] for k in sorted(candidates)]
-        if best is None and configuration is not None and not lower_bounds:
+        if best is None and configuration is not None and not least_memory_bytes:
             raise AutoparError(ErrorKind.BAD_INPUT, f"configuration {configuration!r} cannot be expressed for this "
                                f"model on {self.cluster.describe()} (meshes tried: "
-                               f"{[c['mesh_shape'] for c in candidates]}): a placement it needs does not split evenly (e.g. the "
-                               "batch over the data-parallel degree), or the model has none of the layers it "
-                               "parallelises")
+                               f"{[c['mesh_shape'] for c in candidates]}): a placement it needs does not split "
+                               "evenly (e.g. the batch over the data-parallel degree), or the model has none of the "
+                               "layers it parallelises")
         if best is None:
-            raise _infeasible(self.cluster, min(lower_bounds) if lower_bounds else 0, candidates)
+            raise _infeasible(self.cluster, min(least_memory_bytes, default=0), candidates)
         mesh, problem, solution, index, excess, step_s = best
         plan_s = time.perf_counter() - self.start
         plan = _to_plan(self.captured, self.cluster, mesh, problem, solution, index, candidates, self.options,
@@ -207,6 +208,17 @@ class MeshSearch:
                 if solution.choice else 0.0
             excess = 0  # charged whole: the busiest owner holds no more
         return solution, problem, excess, spread_s
+
+
+class _Incumbent(NamedTuple):
+    """The best mesh solved so far: what its plan is made of."""
+
+    mesh: MeshSpec
+    problem: ShardingProblem
+    solution: Solution
+    index: ProblemIndex
+    table_excess: int  # bytes the busiest table-wise owner holds beyond the even split
+    step_s: float  # the objective plus the table-wise owners' real spread
 
 
 def _unclustered_variables(problem: ShardingProblem) -> int:

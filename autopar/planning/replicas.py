@@ -32,7 +32,7 @@ from collections.abc import Callable
 from autopar.cluster import Cluster
 from autopar.comm import all_gather_s, all_reduce_s
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, StagePlan, TensorSpec, split_over
+from autopar.plan import Plan, ReplicaPlan, TensorSpec, split_over
 from autopar.planning.costing import recost
 from autopar.planning.one_mesh import make_plan
 from autopar.planning.options import PlanOptions
@@ -102,9 +102,9 @@ class ReplicaGroups:
             shared, inputs=tuple(TensorSpec.of(spec.name, x) for spec, x in zip(shared.inputs, graphs.inputs)),
             cluster=cluster.plan_header(), mesh_shape=(len(groups), lanes), mesh_dim_names=("replica", "lane"),
             predicted_step_s=step, predicted_comm_s=step - shared.predicted_compute_s,
-            replicas=tuple(StagePlan(
+            replicas=tuple(ReplicaPlan(
                 group=g.name, device=g.cluster.device.name, ranks=g.ranks, mesh_shape=shared.mesh_shape,
-                mesh_dim_names=shared.mesh_dim_names, layers=(), compute_s=t, send_s=sync_s, in_flight=1,
+                mesh_dim_names=shared.mesh_dim_names, step_s=t, sync_s=sync_s,
                 memory=dataclasses.replace(shared.memory, activations_bytes=m - shared.memory.total_bytes
                                            + shared.memory.activations_bytes),
                 batch=rows, fingerprint=graphs.at_rows(rows).fingerprint) for g, rows, t, m in replicas),

@@ -20,7 +20,7 @@ expert: Megatron's all-to-all token dispatcher. Here it is one fused region:
 For the ILP the choice is a marker placement, "D" ("dispatched"), on the ids node: twins of
 its strategies put "D" on a mesh dim where the ids are split by rows, and twins of the
 gathers take "D" ids with their weight ``Shard(0)`` on that dim (:func:`add_expert_dispatch`).
-"D" converts to nothing else (passes.problem), so the ids' consumers — every gather — take
+"D" converts to nothing else (passes.build_problem), so the ids' consumers — every gather — take
 the twins together. The ids twin carries the exchange's time (the rows there and back,
 forward and backward) and the busiest owner's extra compute (the router's load on the
 example inputs, in the balanced order when the plan can place it).

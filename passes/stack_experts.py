@@ -21,7 +21,7 @@ the same shapes that nothing else reads; otherwise the copies stay as they are.
 
 Expert parallelism then needs each expert's weights on one device only, which no DTensor
 placement of a separate tensor expresses: the "O" placement below (planned by
-:func:`add_owned_stacks` and passes.problem, lowered by passes.lower onto sub-meshes).
+:func:`add_owned_stacks` and passes.build_problem, lowered by passes.lower onto sub-meshes).
 
 Writes ``node.meta["autopar.stacked_experts"] = (expert FQN prefixes…)`` on the stack nodes of
 parameters it creates.

@@ -11,7 +11,7 @@ Bottom to top, each layer and what it may import from the project:
   analysis  autopar.passes (the package) and its           types, ops, analysis; no ortools
             capture, cost, decompose, embedding_bag,
             expert_dispatch, expert_order, experts,
-            layers, memory, problem, sparse,
+            layers, memory, build_problem, sparse,
             stack_experts, stages, strategies,
             symbolic, values
   solvers   autopar.solvers, autopar.solvers.*             types, solvers; no torch
@@ -55,7 +55,7 @@ TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "clus
 OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
-    "problem", "sparse", "stack_experts", "stages", "strategies", "symbolic", "values")}
+    "build_problem", "sparse", "stack_experts", "stages", "strategies", "symbolic", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "materialize")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "cli", "report", "html_report", "profile")}
@@ -71,7 +71,7 @@ MAY_IMPORT = {
     "face": {"types", "ops", "analysis", "solvers", "lowering", "planning", "face"},
 }
 NO_EXTERNAL = {"types": ("torch",), "solvers": ("torch",), "ops": ("ortools",), "analysis": ("ortools",)}
-# the dispatch cost (passes.problem -> passes.expert_dispatch) counts the busiest expert owner
+# the dispatch cost (passes.build_problem -> passes.expert_dispatch) counts the busiest expert owner
 # in the order the planner will place: solvers.balance's, plain numbers in and out (ortools
 # loaded only when it solves). Removing it means handing the order in from planning.
 EXCEPTIONS = {("autopar.passes.expert_dispatch", "autopar.solvers.balance")}

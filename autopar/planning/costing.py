@@ -17,8 +17,8 @@ from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import (
-    ProblemIndex, annotate_strategies, build_problem, lookup_exchange_s, table_wise_by_owners, unit_links)
+from autopar.passes.build_problem import (
+    ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners, unit_links)
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 
 
@@ -42,7 +42,7 @@ def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> flo
     mesh = unit_links(checked_mesh(cluster, plan.mesh_shape))
     problem, index, choice = planned_problem(captured, plan, cluster, mesh)
     total = sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in problem.edges)
-    return total + lookup_exchange_s(captured, problem, index, choice, mesh)
+    return total + strategy_exchange_s(captured, problem, index, choice, mesh)
 
 
 def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, example_inputs) -> dict:

@@ -11,7 +11,7 @@ import dataclasses
 from autopar.plan import layer_of_path
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
-from autopar.passes.problem import ProblemIndex
+from autopar.passes.build_problem import ProblemIndex
 from autopar.passes.sparse import LOOKUP_KEY
 
 NOT_EXPRESSIBLE = ("not expressible on this mesh (a placement it needs does not split evenly, or the model has "

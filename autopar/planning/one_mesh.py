@@ -31,8 +31,8 @@ from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
-from autopar.passes.problem import (
-    ProblemIndex, annotate_strategies, build_problem, lookup_exchange_s, table_wise_by_owners,
+from autopar.passes.build_problem import (
+    ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners,
     unit_links)
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
@@ -349,4 +349,4 @@ def _bytes_sent(captured: Captured, problem: ShardingProblem, index: ProblemInde
     """Bytes one device sends per step under ``choice``: every reshard and gradient collective
     on its edge, and the sparse row exchanges of lookups."""
     total = sum(e.count * e.pair_bytes(choice[e.src], choice[e.dst]) for e in problem.edges)
-    return total + lookup_exchange_s(captured, problem, index, choice, unit_links(mesh))
+    return total + strategy_exchange_s(captured, problem, index, choice, unit_links(mesh))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.passes.problem import OPTIMIZER_STATES
+from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
 SCHEDULES = ("1F1B", "GPipe")

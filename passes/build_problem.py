@@ -316,8 +316,8 @@ def unit_links(mesh: MeshSpec) -> MeshSpec:
     return dataclasses.replace(mesh, links=(UNIT_LINK,) * len(mesh.shape))
 
 
-def lookup_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
-                      mesh: MeshSpec) -> float:
+def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
+                        mesh: MeshSpec) -> float:
     """Time of the exchanges the chosen strategies make themselves — lookups' sparse rows,
     experts' dispatched rows — every copy of a repeated node counted (on :func:`unit_links`
     meshes: the bytes one device sends)."""

@@ -17,12 +17,13 @@ from collections import defaultdict
 
 from rich.console import Console
 
+from autopar.placements import divided_over, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
     experts_table, replicas_table, sparse_table, stages_table, imbalance, schedule_spans)
 from autopar.units import format_bytes, format_seconds
 
-_COLORS = {"R": "#9aa5b1", "S": "#2f80ed", "P": "#f2994a", "-": "#dddddd"}
+_COLORS = {"replicated": "#9aa5b1", "sharded": "#2f80ed", "partial": "#f2994a", "no tensor": "#dddddd"}
 _CSS = """body{font-family:system-ui,sans-serif;margin:24px;color:#1f2933}h1{font-size:22px}
 h2{font-size:17px;margin-top:28px}table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #cbd2d9;padding:3px 8px;text-align:left}.legend span{display:inline-block;
@@ -30,10 +31,13 @@ width:12px;height:12px;margin:0 4px 0 12px}.op{display:inline-block;width:14px;h
 
 
 def _kind(placement: str | None) -> str:
+    """The colour class of a placement: sharded on some mesh dim, else partial, else whole."""
     if not placement:
-        return "-"
-    dims = placement.split(",")
-    return "S" if any(d.startswith("S") for d in dims) else "P" if any(d.startswith("P") for d in dims) else "R"
+        return "no tensor"
+    spec = parse_spec(placement)
+    if divided_over(spec, [2] * len(spec)) > 1:  # split, or each tensor on its owner (O) / rows dispatched (D)
+        return "sharded"
+    return "partial" if any(p.is_partial for p in spec) else "replicated"
 
 
 def _bar(parts: list[tuple[str, float, str]], total: float, width: int = 520) -> str:

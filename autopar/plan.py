@@ -1,7 +1,8 @@
 """The plan: a versioned JSON document people inspect, diff, re-cost and apply later.
 
-Placements are stored as strings, one per mesh dimension joined by commas (``"S(0),R"``);
-strategy *indices* are never stored because they are not stable across processes.
+Placements are stored as the strings autopar.placements writes, one per mesh dimension joined
+by commas (``"S(0),R"``), so a plan file reads and diffs as text; ``ParameterPlan.spec`` and
+``NodePlan.output_spec``/``input_spec`` give them back as values. Strategy *indices* are never stored because they are not stable across processes.
 Wall-clock timings live in ``Plan.timings`` and are not written to disk, so the same model,
 inputs and cluster always give a byte-identical file.
 
@@ -13,27 +14,17 @@ True
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 
 SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
-
-
-def split_over(placement: str, mesh_shape, dim: int) -> int:
-    """How many devices a placement string (``"S(0),R"``) splits tensor dim ``dim`` over."""
-    return math.prod(size for size, p in zip(mesh_shape, placement.split(",")) if p == f"S({dim})")
-
-
-def placement_text(placement) -> str | None:
-    """A placement tuple as the plan writes it (``"S(0),R"``); None stays None."""
-    return None if placement is None else ",".join(placement)
 
 
 def layer_of_path(path: str) -> str | None:
@@ -82,12 +73,21 @@ class NodePlan:
     stage: int = 0  # pipeline stage the node runs in (its placements refer to that stage's mesh)
     exchange: str = ""  # "sparse_allgather": a lookup that exchanges its table's gradient as touched rows
 
+    def output_spec(self, index: int = 0) -> pl.Spec | None:
+        """Placement of tensor output ``index`` as a value (None for a non-tensor output)."""
+        text = self.outputs[index]
+        return None if text is None else pl.parse_spec(text)
+
+    def input_spec(self, index: int) -> pl.Spec:
+        """Placement tensor input ``index`` is consumed in, as a value."""
+        return pl.parse_spec(self.inputs[index])
+
 
 @dataclass(frozen=True)
 class ParameterPlan:
-    # one entry per mesh dim: "R", "S(k)" (tensor dim k split), or "O" for a ModuleList expert's
-    # weight or a table-wise table that lives whole on one device of that dim, its owner
-    # (passes.stack_experts, passes.sparse)
+    # one entry per mesh dim (autopar.placements): "R", "S(k)" (tensor dim k split), or "O" for a
+    # ModuleList expert's weight or a table-wise table that lives whole on one device of that dim,
+    # its owner (passes.stack_experts, passes.sparse)
     placement: str
     bytes: int
     # how its gradient is synchronised: "allreduce", "reduce_scatter"; for sparse tables also
@@ -97,6 +97,11 @@ class ParameterPlan:
     # all-to-all; no gradient collective for "O" weights) or "expert_tensor_parallel" (each
     # expert's hidden dim split)
     exchange: str
+
+    @property
+    def spec(self) -> pl.Spec:
+        """The placement as a value (one per mesh dim)."""
+        return pl.parse_spec(self.placement)
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,7 @@ class Plan:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise AutoparError(ErrorKind.BAD_INPUT, f"batch_size must be a positive integer, got {batch_size!r}")
         for name in self.symbolic["batch_inputs"]:
-            shards = split_over(self.nodes[name].outputs[0], self.mesh_shape, 0) if name in self.nodes else 1
+            shards = pl.split_over(self.nodes[name].output_spec(), self.mesh_shape, 0) if name in self.nodes else 1
             if batch_size % shards:
                 raise AutoparError(ErrorKind.BAD_INPUT,
                                    f"batch {batch_size} does not split over the {shards} devices that share input "
@@ -279,7 +284,7 @@ class Plan:
                                f"{source} has plan schema version {version!r}; this autopar reads version "
                                f"{SCHEMA_VERSION}: {hint}")
         try:
-            return cls(
+            plan = cls(
                 fingerprint=d["fingerprint"], cluster=d["cluster"],
                 mesh_shape=tuple(d["mesh_shape"]), mesh_dim_names=tuple(d["mesh_dim_names"]),
                 inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
@@ -302,9 +307,30 @@ class Plan:
         except (KeyError, TypeError, ValueError) as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,
                                f"{source} is not a complete autopar plan: field {exc} is missing or malformed") from exc
+        _check_placements(plan, source)
+        return plan
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, self.to_json())
+
+
+def _check_placements(plan: Plan, source: str) -> None:
+    """Every placement the plan holds reads as one placement per mesh dim (a hand-edited file
+    fails here, naming the field, not deep inside lowering)."""
+    where = [(f"parameter {fqn}", p.placement) for fqn, p in plan.parameters.items()]
+    where += [(f"buffer {name}", text) for name, text in plan.buffers.items()]
+    for name, node in plan.nodes.items():
+        where += [(f"node {name} output {k}", text) for k, text in enumerate(node.outputs) if text is not None]
+        where += [(f"node {name} input {k}", text) for k, text in enumerate(node.inputs)]
+    for what, text in where:
+        try:
+            spec = pl.parse_spec(text)
+        except (ValueError, AttributeError) as exc:
+            raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: {what} has placement {text!r}: {exc}; "
+                               "re-create the plan with `autopar.plan(...).save(path)`") from exc
+        if plan.stages == () and plan.replicas == () and len(spec) != len(plan.mesh_shape):
+            raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: {what} has placement {text!r} for {len(spec)} mesh "
+                               f"dims, but the plan's mesh {list(plan.mesh_shape)} has {len(plan.mesh_shape)}")
 
 
 _FAMILIES_V1 = {"uniform_mesh": "one_mesh", "pipeline": "pipeline", "replicas": "replicas"}
@@ -358,13 +384,3 @@ def load_plan(path: str | os.PathLike) -> Plan:
                            f"{os.fspath(path)} is not a text plan file (undecodable byte at {exc.start})") from exc
     return Plan.from_json(text, source=os.fspath(path))
 
-
-def owned_dim(placement: str) -> int | None:
-    """The mesh dim a placement string places "O" (an expert weight living on its owner,
-    passes.stack_experts), or None.
-
-    >>> owned_dim("R,O"), owned_dim("S(0),R")
-    (1, None)
-    """
-    split = placement.split(",")
-    return split.index("O") if "O" in split else None

@@ -8,7 +8,8 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.plan import Plan, layer_of_path, owned_dim
+from autopar.placements import owned_dim
+from autopar.plan import Plan, layer_of_path
 from autopar.units import format_bytes, format_seconds
 
 
@@ -249,7 +250,7 @@ def sparse_table(plan: Plan) -> Table:
 
 
 def experts_table(plan: Plan) -> Table:
-    owned = any(owned_dim(p.placement) is not None for p in plan.parameters.values())
+    owned = any(owned_dim(p.spec) is not None for p in plan.parameters.values())
     table = Table(title="mixture-of-experts layers: placement and tokens per device",
                   caption="expert weights placed O: each expert's weights whole on one device, its owner; "
                   "expert order (placed): device d holds the d-th block of experts in that order"

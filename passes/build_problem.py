@@ -31,18 +31,19 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar import placements as pl
 from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
 from autopar.problem import Edge, ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
-from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
+from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.sparse import (
     LOOKUP_KEY, TABLE_WISE, UNIT_LINK, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
     table_owners, table_wise_tables)
-from autopar.passes.stack_experts import OWNED, add_owned_stacks, expert_members, owned_leaf_options
+from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, leaf_candidates, output_vals,
@@ -94,14 +95,14 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             kind = ("param" if node.name in captured.parameter_of else
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
-            options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((("R",) * len(mesh.shape),), ())]
+            options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((pl.replicated(len(mesh.shape)),), ())]
             if node.name in members:  # a batched expert's weight may live on its owner only
                 options += [Strategy((p,), ()) for p in owned_leaf_options(
                     [s.outputs[0] for s in options], members[node.name][1], mesh.shape)]
             if node.name in tables:  # a table may live whole on one device of a dim (table-wise)
                 options += [Strategy((p,), ()) for p in owned_table_options(mesh.shape)]
             copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
-            mem = [copies * tensor_bytes(val) // (1 if tables_whole and node.name in tables and OWNED in s.outputs[0]
+            mem = [copies * tensor_bytes(val) // (1 if tables_whole and node.name in tables and pl.O in s.outputs[0]
                                                   else _shards(s.outputs[0], mesh.shape)) for s in options]
             cost = [0.0] * len(options)
         elif node.op == "call_function":
@@ -133,7 +134,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
                 if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-    sink = Strategy((), tuple(("R",) * len(mesh.shape) for _ in out_args))
+    sink = Strategy((), tuple(pl.replicated(len(mesh.shape)) for _ in out_args))
     position[OUTPUT] = len(names)
     names.append(OUTPUT)
     strategies.append([sink])
@@ -182,7 +183,7 @@ def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device:
 
 def _table_wise_members(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec
                         ) -> dict[int, list[tuple[str, int, int, int]]]:
-    """Per mesh dim placed "O": (FQN — as the plan names owners —, pooled bytes, table bytes,
+    """Per mesh dim placed ``O``: (FQN — as the plan names owners —, pooled bytes, table bytes,
     devices of the other mesh dims the pooled bags are split over) of the tables the choice
     places table-wise."""
     by_dim: dict[int, list[tuple[str, int, int, int]]] = {}
@@ -192,9 +193,9 @@ def _table_wise_members(captured: Captured, index: ProblemIndex, choice: list[in
             continue
         strategy = index.strategies[q][choice[q]]
         if strategy.exchange == TABLE_WISE:
-            table, dim = node.args[0], strategy.inputs[0].index(OWNED)
+            table, dim = node.args[0], pl.owned_dim(strategy.inputs[0])
             others = math.prod(size for k, (p, size) in enumerate(zip(strategy.outputs[0], mesh.shape))
-                               if k != dim and p.startswith("S("))
+                               if k != dim and p.is_shard)
             by_dim.setdefault(dim, []).append((captured.parameter_of[table.name], node.meta[LOOKUP_KEY].result_bytes,
                                                tensor_bytes(table.meta["val"]), others))
     return by_dim
@@ -247,10 +248,10 @@ def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Str
     return options
 
 
-def _shards(placement: tuple[str, ...], mesh_shape: tuple[int, ...]) -> int:
-    """Devices a tensor's bytes are divided over ("O": each expert's weight on one of them; "D":
-    rows split, as by "S(0)")."""
-    return math.prod(size for p, size in zip(placement, mesh_shape) if p.startswith("S(") or p in (OWNED, DISPATCHED))
+def _shards(spec: pl.Spec, mesh_shape: tuple[int, ...]) -> int:
+    """Devices a tensor's bytes are divided over (``O``: each expert's weight on one of them;
+    ``D``: rows split, as by ``Shard(0)``)."""
+    return pl.divided_over(spec, mesh_shape)
 
 
 def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
@@ -345,11 +346,11 @@ def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
     first = next((p for p in strategy.outputs if p is not None), None)
     if first is None:
         return ()
-    return tuple(p != "R" for p in first)
+    return tuple(p is not pl.R for p in first)
 
 
 @functools.lru_cache(maxsize=1 << 18)
-def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...], nbytes: int,
+def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
               needs_grad: bool, mesh: MeshSpec, regather: bool = False) -> float | None:
     """Forward (+ backward) time to turn placement ``src`` into ``dst``; None if impossible.
 
@@ -361,27 +362,27 @@ def reshard_s(src: tuple[str, ...], dst: tuple[str, ...], split: tuple[bool, ...
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
         return forward
-    grad = tuple(b if b.startswith("S(") or b in (OWNED, DISPATCHED) else ("P" if split and split[d] and b == "R" else "R")
+    grad = tuple(b if b.is_shard or b is pl.O or b is pl.D else (pl.P if split and split[d] and b is pl.R else pl.R)
                  for d, b in enumerate(dst))
-    want = tuple("R" if a.startswith("P") else a for a in src)
-    bucketed = regather and all(g == w or (g == "P" and w == "R") for g, w in zip(grad, want))
+    want = tuple(pl.R if a.is_partial else a for a in src)
+    bucketed = regather and all(g is w or (g is pl.P and w is pl.R) for g, w in zip(grad, want))
     links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
     total = forward + _sequential_s(grad, want, nbytes, mesh, links)
     if regather:
-        total += _sequential_s(tuple(a if a.startswith("S(") else "R" for a in src),
-                               tuple("R" if a.startswith("S(") and b == "R" else (a if a.startswith("S(") else "R")
+        total += _sequential_s(tuple(a if a.is_shard else pl.R for a in src),
+                               tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)
                                      for a, b in zip(src, dst)), nbytes, mesh, mesh.links)
     return total
 
 
-def _sequential_s(src: tuple[str, ...], dst: tuple[str, ...], nbytes: int, mesh: MeshSpec, links) -> float | None:
+def _sequential_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec, links) -> float | None:
     """Convert one mesh dim at a time, innermost first; each collective moves the tensor
     as currently sharded on the other dims (a 2-D all-gather costs ¼ + ½ of the bytes)."""
     current = list(src)
     total = 0.0
     for d in reversed(range(len(src))):
         others = math.prod(size for k, (p, size) in enumerate(zip(current, mesh.shape))
-                           if k != d and p.startswith("S("))
+                           if k != d and p.is_shard)
         step = _transition_s(current[d], dst[d], nbytes / others, mesh.shape[d], links[d])
         if step is None:
             return None
@@ -390,15 +391,15 @@ def _sequential_s(src: tuple[str, ...], dst: tuple[str, ...], nbytes: int, mesh:
     return total
 
 
-def _transition_s(a: str, b: str, nbytes: float, n: int, link) -> float | None:
-    if a == b:
+def _transition_s(a: pl.Placement, b: pl.Placement, nbytes: float, n: int, link) -> float | None:
+    if a is b:
         return 0.0
-    if OWNED in (a, b) or DISPATCHED in (a, b):
+    if a is pl.O or b is pl.O or a is pl.D or b is pl.D:
         return None  # an owned expert weight only feeds its stack; dispatched ids only their gathers
-    if a == "R" and b in ("R", "P") or a == "R" and b.startswith("S("):
+    if a is pl.R and (b is pl.P or b.is_shard):
         return 0.0  # local: slice, or keep the value on one rank and zeros elsewhere (R→P)
-    if b.startswith("P"):
+    if b.is_partial:
         return None
-    if a.startswith("S("):
-        return all_gather_s(nbytes, n, link) if b == "R" else all_to_all_s(nbytes, n, link)
-    return all_reduce_s(nbytes, n, link) if b == "R" else reduce_scatter_s(nbytes, n, link)
+    if a.is_shard:
+        return all_gather_s(nbytes, n, link) if b is pl.R else all_to_all_s(nbytes, n, link)
+    return all_reduce_s(nbytes, n, link) if b is pl.R else reduce_scatter_s(nbytes, n, link)

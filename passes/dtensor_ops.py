@@ -4,8 +4,9 @@ the other: passes.strategies (analysis, on DTensor's private op schemas) and pas
 passes.expert_order checks on real values the very relabelling op lowering then emits.
 Public DTensor API only.
 
->>> parse_placement("S(1)"), placement_str(Replicate())
-(Shard(dim=1), 'R')
+>>> from autopar.placements import parse_spec
+>>> dtensor_placements(parse_spec("S(1),R")), planned(Replicate())
+((Shard(dim=1), Replicate()), R)
 >>> inverse_order([2, 0, 1])
 [1, 2, 0]
 """
@@ -15,30 +16,38 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from autopar import placements as pl
 
-def placement_str(p) -> str | None:
-    """DTensor placement -> short string; None for placements we do not plan with (strided)."""
+
+def planned(p) -> pl.Placement | None:
+    """DTensor placement -> the planner's value; None for placements we do not plan with
+    (strided shards). DTensor's masked partial (a row-wise lookup) is ``Partial("mask")``."""
     if type(p) is Replicate:
-        return "R"
+        return pl.R
     if type(p) is Shard:
-        return f"S({p.dim})"
+        return pl.Shard(p.dim)
     if isinstance(p, Partial):
         name = type(p).__name__
         if name == "Partial":
-            return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-        return "P(mask)" if "Mask" in name else None
+            return pl.Partial(p.reduce_op)
+        return pl.Partial("mask") if "Mask" in name else None
     return None
 
 
-def parse_placement(s: str):
-    """Inverse of :func:`placement_str` for the placements lowering constructs (R, S(d), P)."""
-    if s == "R":
+def dtensor_placement(p: pl.Placement):
+    """Inverse of :func:`planned` for the placements lowering constructs (R, S(d), P)."""
+    if p is pl.R:
         return Replicate()
-    if s.startswith("S("):
-        return Shard(int(s[2:-1]))
-    if s == "P":
+    if p.is_shard:
+        return Shard(p.dim)
+    if p is pl.P:
         return Partial()
-    raise ValueError(f"cannot construct placement {s!r}")
+    raise ValueError(f"cannot construct DTensor placement {p}")
+
+
+def dtensor_placements(spec: pl.Spec) -> tuple:
+    """A mesh-wide planned placement as DTensor placements."""
+    return tuple(dtensor_placement(p) for p in spec)
 
 
 def inverse_order(order: list[int]) -> list[int]:

@@ -17,10 +17,10 @@ expert: Megatron's all-to-all token dispatcher. Here it is one fused region:
     results come back the same way into the rows' own order. Backward is the reverse
     exchange; each weight's gradient stays with its owner.
 
-For the ILP the choice is a marker placement, "D" ("dispatched"), on the ids node: twins of
-its strategies put "D" on a mesh dim where the ids are split by rows, and twins of the
-gathers take "D" ids with their weight ``Shard(0)`` on that dim (:func:`add_expert_dispatch`).
-"D" converts to nothing else (passes.build_problem), so the ids' consumers — every gather — take
+For the ILP the choice is a marker placement, ``D`` (autopar.placements.Dispatched), on the
+ids node: twins of its strategies put ``D`` on a mesh dim where the ids are split by rows, and
+twins of the gathers take ``D`` ids with their weight ``Shard(0)`` on that dim
+(:func:`add_expert_dispatch`). ``D`` converts to nothing else (passes.build_problem), so the ids' consumers — every gather — take
 the twins together. The ids twin carries the exchange's time (the rows there and back,
 forward and backward) and the busiest owner's extra compute (the router's load on the
 example inputs, in the balanced order when the plan can place it).
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar import placements as pl
 from autopar.comm import all_to_all_s
 from autopar.mesh import MeshSpec
 from autopar.passes.cost import COST_KEY, tensor_bytes
@@ -46,7 +47,6 @@ from autopar.solvers.balance import balanced_order, device_loads, imbalance
 
 aten = torch.ops.aten
 DISPATCH_KEY = "autopar.dispatch"
-DISPATCHED = "D"  # marker placement of the ids node: rows exchanged with their experts' owners on this mesh dim
 EXPERT_DISPATCH = "expert_dispatch"  # Strategy.exchange of the twins
 _RELATIVE_TOLERANCE = 1e-5
 
@@ -254,7 +254,7 @@ def _rows_independent(graph, dispatch: Dispatch, values: dict[str, torch.Tensor]
 
 
 def add_expert_dispatch(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
-    """Twins for every dispatch region: the ids node "D" on a mesh dim of size n > 1 dividing
+    """Twins for every dispatch region: the ids node ``D`` on a mesh dim of size n > 1 dividing
     the experts where it is split by rows; each gather taking those ids with its weight
     ``Shard(0)`` there (from its strategies with the weight replicated everywhere)."""
     by_name = {n.name: n for n in graph.nodes}
@@ -264,8 +264,8 @@ def add_expert_dispatch(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> N
             continue
         dims = [d for d, n in enumerate(mesh_shape) if n > 1 and dispatch.experts % n == 0]
         own = [s for s in node.meta[STRATEGIES_KEY] if s.exchange != EXPERT_DISPATCH]
-        twins = [Strategy((out[:d] + (DISPATCHED,) + out[d + 1:],), s.inputs, exchange=EXPERT_DISPATCH)
-                 for s in own for d in dims if len(s.outputs) == 1 and (out := s.outputs[0]) and out[d] == "S(0)"]
+        twins = [Strategy((pl.with_dim(out, d, pl.D),), s.inputs, exchange=EXPERT_DISPATCH)
+                 for s in own for d in dims if len(s.outputs) == 1 and (out := s.outputs[0]) and out[d] is pl.Shard(0)]
         node.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
         for name in dispatch.gathers:
             gather = by_name[name]
@@ -274,16 +274,15 @@ def add_expert_dispatch(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> N
             for s in own:
                 weight, ids = s.inputs
                 for d in dims:
-                    if all(p == "R" for p in weight) and ids[d] == "S(0)" and s.outputs[0][d] == "S(0)":
-                        twins.append(Strategy(s.outputs, (weight[:d] + ("S(0)",) + weight[d + 1:],
-                                                          ids[:d] + (DISPATCHED,) + ids[d + 1:]),
+                    if pl.is_replicated(weight) and ids[d] is pl.Shard(0) and s.outputs[0][d] is pl.Shard(0):
+                        twins.append(Strategy(s.outputs, (pl.with_dim(weight, d, pl.Shard(0)), pl.with_dim(ids, d, pl.D)),
                                               exchange=EXPERT_DISPATCH))
             gather.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
 
 
 def dispatch_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device, links=None) -> float:
     """Time an ids twin adds: the rows to their owners and back, forward and backward (one
-    all-to-all each way, on the mesh dim placed "D", after the counts' and the ids'), and the busiest owner's compute beyond
+    all-to-all each way, on the mesh dim placed ``D``, after the counts' and the ids'), and the busiest owner's compute beyond
     the mean (the segment's work on rows split over the devices, times the load's max/mean − 1).
     The gathers' twins add nothing (their rows' exchange is this one)."""
     dispatch = node.meta.get(DISPATCH_KEY)
@@ -291,9 +290,9 @@ def dispatch_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device, 
         return 0.0
     links = links or mesh.links
     out = strategy.outputs[0]
-    d = out.index(DISPATCHED)
+    d = pl.index_of(out, pl.D)
     n = mesh.shape[d]
-    others = math.prod(size for k, (p, size) in enumerate(zip(out, mesh.shape)) if k != d and p != "R")
+    others = math.prod(size for k, (p, size) in enumerate(zip(out, mesh.shape)) if k != d and p is not pl.R)
     # forward: the counts, the ids, the rows there and back; backward: the rows' gradients both ways
     ids_bytes = dispatch.rows * 8 / others
     exchange = (all_to_all_s(0.0, n, links[d]) + all_to_all_s(ids_bytes, n, links[d])

@@ -10,10 +10,11 @@ import warnings
 
 import torch
 
+from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, owned_dim
+from autopar.plan import Plan
 from autopar.passes import runtime
-from autopar.passes.expert_dispatch import DISPATCHED, Dispatch, segment_module
+from autopar.passes.expert_dispatch import Dispatch, segment_module
 from autopar.passes.sparse import POOLS
 
 
@@ -42,7 +43,7 @@ def fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.No
         weights = [by_name[g].args[0] for g in dispatch.gathers]
         position = {n: i for i, n in enumerate(graph.nodes)}
         last = max([ids, *inputs, *weights], key=position.get)
-        row_spec = ",".join("S(0)" if p == DISPATCHED else p for p in plan.nodes[dispatch.ids].outputs[0].split(","))
+        row_spec = pl.format_spec(pl.Shard(0) if p is pl.D else p for p in plan.nodes[dispatch.ids].output_spec())
         out_specs = [plan.nodes[name].outputs[0] for name in dispatch.outputs]
         with graph.inserting_after(last), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -105,7 +106,7 @@ def _emit_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node
     last_input = max((a for lookup, _ in run for a in lookup.args[:2]), key=position.get)
     specs = [plan.nodes[lookup.name].outputs[0] for lookup, _ in run]  # pooled: the lookup's batch split
     args = ([lookup.args[0] for lookup, _ in run], [lookup.args[1] for lookup, _ in run], mesh_node,
-            owned_dim(plan.nodes[run[0][0].name].inputs[0]),
+            pl.owned_dim(plan.nodes[run[0][0].name].input_spec(0)),
             [(tuple(pool.args[1]), pool.target is torch.ops.aten.mean.dim) for _, pool in run],
             [tuple(pool.meta["val"].shape[1:]) for _, pool in run], specs)
     with graph.inserting_after(last_input):

@@ -34,11 +34,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
+from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, owned_dim
+from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured
-from autopar.passes.dtensor_ops import inverse_order, relabel_experts
+from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
@@ -118,10 +119,10 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         owner, attr = _owner(gm, fqn)
         original = getattr(owner, attr)
         full = source[fqn].detach() if fqn in source else original.detach()
-        placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.placement)
+        placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.spec)
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
-        if owned_dim(pplan.placement) is not None:
-            setattr(param, runtime.OWNED_ATTR, placer.owned(fqn, pplan.placement))
+        if pl.owned_dim(pplan.spec) is not None:
+            setattr(param, runtime.OWNED_ATTR, placer.owned(fqn, pplan.spec))
         if fqn in placer.row_orders:
             setattr(param, runtime.ROW_ORDER_ATTR, placer.row_orders[fqn])
         for name in alias_of.get(fqn, [fqn]):
@@ -132,7 +133,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
         owner, attr = _owner(gm, name)
         value = source.get(name, value)
         owner._buffers[attr] = value if isinstance(value, DTensor) else distribute_tensor(
-            value, mesh, runtime.placements(",".join(["R"] * mesh.ndim)))
+            value, mesh, dtensor_placements(pl.replicated(mesh.ndim)))
     for name in list(vars(gm)):
         value = getattr(gm, name)
         if isinstance(value, torch.Tensor) and not isinstance(value, (nn.Parameter, DTensor)):
@@ -140,7 +141,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
 
 
 class _Placer:
-    """Distributes a full parameter as planned. An expert weight placed "O" on a mesh dim
+    """Distributes a full parameter as planned. An expert weight placed ``O`` on a mesh dim
     (passes.stack_experts) goes to its owner's sub-mesh — the mesh without that dim, at the
     owner's coordinate — and every rank builds every such sub-mesh, in the same order, the
     first time one is needed (process-group creation is collective)."""
@@ -165,20 +166,20 @@ class _Placer:
         self.table_owners = {fqn: table["owner"] for fqn, table in plan.sparse.items() if "owner" in table}
         self.submeshes = dict(owner_meshes or {})
 
-    def __call__(self, fqn: str, full: torch.Tensor, placement: str) -> DTensor:
+    def __call__(self, fqn: str, full: torch.Tensor, spec: pl.Spec) -> DTensor:
         if fqn in self.row_orders:
             full = full[self.row_orders[fqn]]
-        dim = owned_dim(placement)
+        dim = pl.owned_dim(spec)
         if dim is None:
-            return distribute_tensor(full, self.mesh, runtime.placements(placement))
-        rest = ",".join(p for d, p in enumerate(placement.split(",")) if d != dim) or "R"
+            return distribute_tensor(full, self.mesh, dtensor_placements(spec))
+        rest = tuple(p for d, p in enumerate(spec) if d != dim) or (pl.R,)
         if dim not in self.submeshes:
             self.submeshes[dim] = _submeshes(self.mesh, dim)
-        return distribute_tensor(full, self.submeshes[dim][self._owner(fqn, dim)], runtime.placements(rest))
+        return distribute_tensor(full, self.submeshes[dim][self._owner(fqn, dim)], dtensor_placements(rest))
 
-    def owned(self, fqn: str, placement: str) -> tuple[DeviceMesh, int, int]:
-        """(mesh, mesh dim placed "O", owner's coordinate on it) of expert weight ``fqn``."""
-        dim = owned_dim(placement)
+    def owned(self, fqn: str, spec: pl.Spec) -> tuple[DeviceMesh, int, int]:
+        """(mesh, mesh dim placed ``O``, owner's coordinate on it) of expert weight ``fqn``."""
+        dim = pl.owned_dim(spec)
         return self.mesh, dim, self._owner(fqn, dim)
 
     def _owner(self, fqn: str, dim: int) -> int:
@@ -204,9 +205,9 @@ def _submeshes(mesh: DeviceMesh, dim: int) -> list[DeviceMesh]:
 
 def owner_submeshes(plan: Plan, meshes: list[DeviceMesh]) -> list[dict[int, list[DeviceMesh]]]:
     """For each group's mesh (pipeline stages), the sub-meshes of every mesh dim, when some
-    parameter of ``plan`` is placed "O"; empty otherwise. Every rank calls it, in the same
+    parameter of ``plan`` is placed ``O``; empty otherwise. Every rank calls it, in the same
     order, before lowering its own group (process-group creation is collective)."""
-    if all(owned_dim(p.placement) is None for p in plan.parameters.values()):
+    if all(pl.owned_dim(p.spec) is None for p in plan.parameters.values()):
         return [{} for _ in meshes]
     return [{d: _submeshes(mesh, d) for d in range(mesh.ndim) if mesh.size(d) > 1} for mesh in meshes]
 
@@ -218,14 +219,14 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     check_initialisable(model)
     wanted = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     wanted |= {name for name, _ in gm.named_buffers()}
-    replicated = ",".join(["R"] * mesh.ndim)
+    replicated = pl.replicated(mesh.ndim)
     placed = {}
     for tensors in materialized(model, torch.device(mesh.device_type)):
         for fqn, full in tensors.items():
             if fqn not in wanted:
                 continue
             pplan = plan.parameters.get(fqn)
-            value = placer(fqn, full.detach(), pplan.placement if pplan else replicated)
+            value = placer(fqn, full.detach(), pplan.spec if pplan else replicated)
             for name in aliases.get(fqn, (fqn,)):
                 placed[name] = value
     return placed
@@ -260,7 +261,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         planned = plan.nodes[name].outputs[0]
         new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
         produced[new.name] = planned
-    replicated = ",".join(["R"] * len(plan.mesh_shape))
+    replicated = pl.format_spec(pl.replicated(len(plan.mesh_shape)))  # as the graph's code writes it
     fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
@@ -288,7 +289,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                     moved.meta["val"] = arg.meta.get("val")
                 produced[moved.name] = want
                 node.replace_input_with(arg, moved)
-        if node.target is torch.ops.aten.stack.default and any(owned_dim(p) is not None for p in nplan.inputs):
+        if node.target is torch.ops.aten.stack.default and any(
+                pl.owned_dim(nplan.input_spec(k)) is not None for k in range(len(nplan.inputs))):
             node.args = (node.args[0], mesh_node, nplan.outputs[0])  # experts stacked where they live
             node.target = runtime.stack_owned
         elif nplan.exchange == "sparse_allgather":  # the lookup exchanges its table's gradient itself
@@ -296,7 +298,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             node.target = runtime.sparse_embedding
         elif nplan.exchange == TABLE_WISE:  # its table lives on its owner: fused below with the others
             table_wise.append(node)
-        elif node.target is torch.ops.aten.embedding.default and "S(0)" in nplan.inputs[0]:
+        elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
         elif nplan.fallback:

@@ -15,11 +15,13 @@ from torch.distributed.tensor._redistribute import Redistribute
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map
 
-from autopar.passes.dtensor_ops import inverse_order, parse_placement
+from autopar.passes.dtensor_ops import dtensor_placements, inverse_order
+from autopar.placements import parse_spec, replicated
 
 
 def placements(spec: str) -> tuple:
-    return tuple(parse_placement(p) for p in spec.split(","))
+    """DTensor placements of a spec as the lowered graph's code writes it (``'S(0),R'``)."""
+    return dtensor_placements(parse_spec(spec))
 
 
 def distribute_input(x: torch.Tensor, mesh, spec: str) -> DTensor:
@@ -315,7 +317,7 @@ def dispatch_experts(segment, mesh, dim: int, experts: int, ids: DTensor, inputs
         return [Partial() if p.is_replicate() and r.is_shard() else p for p, r in zip(x.placements, rows)]
 
     local_inputs = []
-    whole = placements(",".join(["R"] * mesh.ndim))
+    whole = dtensor_placements(replicated(mesh.ndim))
     for x, is_rows in zip(inputs, row_inputs):
         if not isinstance(x, DTensor):
             local_inputs.append(x)

@@ -43,12 +43,12 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar import placements as pl
 from autopar.cluster import Link
 from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec
 from autopar.passes.capture import Captured
-from autopar.passes.stack_experts import OWNED
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy, evenly_sharded
 from autopar.passes.values import evaluate, real_values
 
@@ -157,7 +157,7 @@ def _pooled_bytes(lookup: torch.fx.Node) -> int | None:
 
 def _split_dims(strategy: Strategy) -> list[tuple[int, int]]:
     """(mesh dim, tensor dim) where the lookup's indices are sharded."""
-    return [(d, int(p[2:-1])) for d, p in enumerate(strategy.inputs[1]) if p.startswith("S(")]
+    return pl.sharded_dims(strategy.inputs[1])
 
 
 def add_sparse_exchange(graph: torch.fx.Graph) -> None:
@@ -168,8 +168,8 @@ def add_sparse_exchange(graph: torch.fx.Graph) -> None:
             continue
         strategies = [s for s in node.meta[STRATEGIES_KEY] if not s.exchange]
         twins = [dataclasses.replace(s, exchange=SPARSE_ALLGATHER) for s in strategies
-                 if all(p == "R" for p in s.inputs[0]) and _split_dims(s)
-                 and not any(p.startswith("P") for p in (*(s.outputs[0] or ()), *s.inputs[1]))]
+                 if pl.is_replicated(s.inputs[0]) and _split_dims(s)
+                 and not any(p.is_partial for p in (*(s.outputs[0] or ()), *s.inputs[1]))]
         node.meta[STRATEGIES_KEY] = strategies + twins
 
 
@@ -189,7 +189,7 @@ def pooling_of(lookup: torch.fx.Node) -> torch.fx.Node | None:
 
 def add_table_wise(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
     """Give every pooled lookup of a sparse table (an embedding bag) twins that place the
-    table whole on one device of a mesh dim, its owner ("O", TorchRec's table-wise sharding):
+    table whole on one device of a mesh dim, its owner (``O``, TorchRec's table-wise sharding):
     the owner looks up and pools the bags of the whole batch (ids replicated on that dim), and
     one all-to-all for all such tables sends every device its batch shard of the pooled rows
     (the twin's output ``Shard(0)`` there); backward sends the gradients the other way and
@@ -205,14 +205,14 @@ def add_table_wise(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
         twins = []
         for s in strategies:
             table, ids, out = s.inputs[0], s.inputs[1], s.outputs[0]
-            if s.exchange or out is None or any(p != "R" for p in table) or any(p.startswith("P") for p in ids):
+            if s.exchange or out is None or not pl.is_replicated(table) or any(p.is_partial for p in ids):
                 continue
-            if any(p != "R" for p in ids):
+            if not pl.is_replicated(ids):
                 continue  # a batch split on another dim would leave the owners partial gradients to sum
             for d, size in enumerate(mesh_shape):
-                owned_out = out[:d] + ("S(0)",) + out[d + 1:]
-                if size > 1 and out[d] == "R" and evenly_sharded(shape, owned_out, mesh_shape):
-                    twins.append(Strategy((owned_out,), (table[:d] + (OWNED,) + table[d + 1:], ids),
+                owned_out = pl.with_dim(out, d, pl.Shard(0))
+                if size > 1 and out[d] is pl.R and evenly_sharded(shape, owned_out, mesh_shape):
+                    twins.append(Strategy((owned_out,), (pl.with_dim(table, d, pl.O), ids),
                                           exchange=TABLE_WISE))
         node.meta[STRATEGIES_KEY] = strategies + list(dict.fromkeys(twins))
 
@@ -223,9 +223,9 @@ def table_wise_tables(graph: torch.fx.Graph) -> set[str]:
             and any(s.exchange == TABLE_WISE for s in n.meta.get(STRATEGIES_KEY, ()))}
 
 
-def owned_table_options(mesh_shape: tuple[int, ...]) -> list[tuple[str, ...]]:
+def owned_table_options(mesh_shape: tuple[int, ...]) -> list[pl.Spec]:
     """A table's table-wise placements: whole on one device of a mesh dim, replicated on the others."""
-    return [tuple(OWNED if k == d else "R" for k in range(len(mesh_shape)))
+    return [pl.with_dim(pl.replicated(len(mesh_shape)), d, pl.O)
             for d, size in enumerate(mesh_shape) if size > 1]
 
 
@@ -251,10 +251,10 @@ def table_wise_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None)
     while the collective's latency is paid once for the ``lookup.fused`` tables. (The planner
     adds what the busiest owner sends beyond that mean, passes.build_problem.table_wise_by_owners.)"""
     links = links or mesh.links
-    d = strategy.inputs[0].index(OWNED)
+    d = pl.owned_dim(strategy.inputs[0])
     n, link = mesh.shape[d], links[d]
     others = math.prod(size for k, (p, size) in enumerate(zip(strategy.outputs[0], mesh.shape))
-                       if k != d and p.startswith("S("))
+                       if k != d and p.is_shard)
     volume = all_to_all_s(lookup.result_bytes / others, n, dataclasses.replace(link, latency_s=0.0))
     return 2 * (volume + all_to_all_s(0.0, n, link) / lookup.fused)
 
@@ -284,7 +284,7 @@ def exchange_bytes(lookup: Lookup, devices: int) -> dict[str, float]:
     lookups instead of gradients: the indices are gathered, the lookup results reduced to
     their batch shard and their gradients gathered back."""
     flat = MeshSpec((devices,), ("dp",), (UNIT_LINK,))
-    twin = Strategy((("S(0)",),), (("R",), ("S(0)",)), exchange=SPARSE_ALLGATHER)
+    twin = Strategy(((pl.Shard(0),),), ((pl.R,), (pl.Shard(0),)), exchange=SPARSE_ALLGATHER)
     results = lookup.result_bytes
     return {"allreduce": all_reduce_s(lookup.table_bytes, devices, UNIT_LINK),
             SPARSE_ALLGATHER: sparse_exchange_s(lookup, twin, flat),

@@ -37,6 +37,7 @@ from torch._decomp import core_aten_decompositions
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autopar import placements as pl
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy
 
 log = logging.getLogger(__name__)
@@ -240,16 +241,13 @@ def _prefix(copy: _Copy, parameter_of: dict[str, str]) -> str:
 # ---- expert parallelism for the batched experts: each expert's weights live on one device ----
 #
 # The experts' parameters stay separate tensors, so DTensor's Shard(0) cannot split them over
-# devices. The "O" placement (per mesh dim, like "R" or "S(k)") says: on this mesh dim each
+# devices. The ``O`` placement (autopar.placements.Owned; per mesh dim, like ``R`` or ``Shard(k)``) says: on this mesh dim each
 # expert's tensor lives whole on one device, its owner — expert e on coordinate e // (E / n),
 # the block Shard(0) of the stacked tensor would give that device — and nowhere else. The
-# stack node then turns "O" weights into a Shard(0) stacked tensor without communication (every
+# stack node then turns ``O`` weights into a Shard(0) stacked tensor without communication (every
 # device stacks the experts it owns); gradients come back to the owners the same way, so the
 # experts' weights need no gradient collective at all. Lowering keeps each weight as a DTensor
 # on its owner's sub-mesh (passes.lower).
-
-OWNED = "O"
-
 
 def expert_members(graph: torch.fx.Graph) -> dict[str, tuple[int, int]]:
     """Parameter placeholder name -> (expert index, experts) for the weights the stack nodes of
@@ -264,20 +262,19 @@ def expert_members(graph: torch.fx.Graph) -> dict[str, tuple[int, int]]:
     return members
 
 
-def owned_leaf_options(placements: list[tuple[str, ...]], experts: int, mesh_shape: tuple[int, ...]
-                       ) -> list[tuple[str, ...]]:
-    """An expert weight's extra placements: "O" on one mesh dim whose size divides the
+def owned_leaf_options(specs: list[pl.Spec], experts: int, mesh_shape: tuple[int, ...]) -> list[pl.Spec]:
+    """An expert weight's extra placements: ``O`` on one mesh dim whose size divides the
     experts, any of its ordinary placements on the others."""
     extra = []
     for d, size in enumerate(mesh_shape):
         if size > 1 and experts % size == 0:
-            extra += [p[:d] + (OWNED,) + p[d + 1:] for p in placements if p[d] == "R"]
+            extra += [pl.with_dim(p, d, pl.O) for p in specs if p[d] is pl.R]
     return list(dict.fromkeys(extra))
 
 
 def add_owned_stacks(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
     """Give every stack node of batched experts, for each strategy that keeps the weights and
-    the stack replicated on a mesh dim dividing the experts, a twin with the weights "O" and
+    the stack replicated on a mesh dim dividing the experts, a twin with the weights ``O`` and
     the stacked tensor ``Shard(0)`` on that dim."""
     for node in graph.nodes:
         if STACKED_KEY not in node.meta or STRATEGIES_KEY not in node.meta:
@@ -290,14 +287,14 @@ def add_owned_stacks(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None
             if any(i != first for i in s.inputs) or s.outputs[0] is None:
                 continue
             for d, size in enumerate(mesh_shape):
-                if size > 1 and experts % size == 0 and first[d] == "R" and s.outputs[0][d] == "R":
-                    owned = first[:d] + (OWNED,) + first[d + 1:]
-                    out = s.outputs[0][:d] + ("S(0)",) + s.outputs[0][d + 1:]
+                if size > 1 and experts % size == 0 and first[d] is pl.R and s.outputs[0][d] is pl.R:
+                    owned = pl.with_dim(first, d, pl.O)
+                    out = pl.with_dim(s.outputs[0], d, pl.Shard(0))
                     twins.append(Strategy((out,), tuple(owned for _ in s.inputs)))
         node.meta[STRATEGIES_KEY] = strategies + list(dict.fromkeys(twins))
 
 
 def owner(expert: int, experts: int, devices: int) -> int:
-    """The coordinate (on the "O" mesh dim) of the device that holds ``expert``: the block
+    """The coordinate (on the ``O`` mesh dim) of the device that holds ``expert``: the block
     ``Shard(0)`` of the stacked experts gives it."""
     return expert // (experts // devices)

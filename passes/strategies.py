@@ -16,8 +16,9 @@ Two prunings keep the problem small without losing plans worth having:
     mesh, and a producer that outputs one is still reduced to R or S by resharding.
 
 Writes ``node.meta["autopar.strategies"] = [Strategy, ...]`` on call_function nodes.
-A placement string has one entry per mesh dim: ``"S(0),R"``; per dim ``R``, ``S(d)``,
-``P`` (partial sum) or ``P(op)`` for other partial reductions.
+A strategy's placement of one tensor is a spec of autopar.placements values, one per mesh dim:
+``(Shard(0), R)``; per dim ``R``, ``Shard(d)``, ``P`` (partial sum) or ``Partial(op)`` for
+other partial reductions.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 )
 from torch.utils._pytree import tree_flatten
 
-from autopar.passes.dtensor_ops import parse_placement, placement_str
+from autopar import placements as pl
+from autopar.passes.dtensor_ops import dtensor_placement, planned
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,11 @@ _warned_ops: set[str] = set()
 
 @dataclass(frozen=True)
 class Strategy:
-    """Placements (one string per mesh dim each) of a node's tensor outputs and tensor inputs."""
+    """Placements (a spec, one placement per mesh dim, each) of a node's tensor outputs and
+    tensor inputs."""
 
-    outputs: tuple[tuple[str, ...] | None, ...]
-    inputs: tuple[tuple[str, ...], ...]
+    outputs: tuple[pl.Spec | None, ...]
+    inputs: tuple[pl.Spec, ...]
     # "" for DTensor's own rules; "sparse_allgather": a lookup that exchanges its table's
     # gradient as touched rows itself (passes.sparse), so the table's edge carries no gradient
     exchange: str = ""
@@ -73,9 +76,9 @@ def output_vals(node: torch.fx.Node) -> list:
     return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
-def leaf_candidates(val: torch.Tensor, partial: bool) -> list[str]:
-    out = ["R"] + [f"S({d})" for d in range(val.dim())]
-    return out + ["P"] if partial else out
+def leaf_candidates(val: torch.Tensor, partial: bool) -> list[pl.Placement]:
+    out = [pl.R] + [pl.Shard(d) for d in range(val.dim())]
+    return out + [pl.P] if partial else out
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +119,7 @@ def _from_op_strategy(node, func, size) -> list[tuple]:
     mesh = _mesh_1d(size)
 
     def candidates(val):  # only even shardings: some strategy functions raise on uneven ones
-        return OpStrategy([OpSpec(DTensorSpec(mesh, (parse_placement(p),), tensor_meta=_meta(val)))
+        return OpStrategy([OpSpec(DTensorSpec(mesh, (dtensor_placement(p),), tensor_meta=_meta(val)))
                            for p in leaf_candidates(val, partial=True) if evenly_sharded(val.shape, (p,), (size,))])
 
     try:
@@ -141,14 +144,14 @@ def _from_op_strategy(node, func, size) -> list[tuple]:
 
 
 def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tuple]] | None:
-    """(outputs, inputs) placement strings on a 1-D mesh of ``size``; None = no DTensor rule."""
+    """(outputs, inputs) placements on a 1-D mesh of ``size``; None = no DTensor rule."""
     ins = tensor_args(node)
     outs = output_vals(node)
     if node.target is operator.getitem:
         val = node.meta["val"]
         return [((p,), (p,)) for p in leaf_candidates(val, partial=True)]
     if not ins:  # factory ops (arange, full, …) produce replicated constants
-        return [(tuple("R" if isinstance(v, torch.Tensor) else None for v in outs), ())]
+        return [(tuple(pl.R if isinstance(v, torch.Tensor) else None for v in outs), ())]
     prop = DTensor._op_dispatcher.sharding_propagator
     if not _backward_supported(node.target, prop):
         return None
@@ -164,18 +167,18 @@ def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tupl
         return None
     rules = set()
     for out_p, in_p in raw:
-        outs_s = tuple(None if p is None else placement_str(p) for p in out_p)
-        ins_s = tuple(placement_str(p) for p in in_p)
-        if node.target is torch.ops.aten.embedding.default and outs_s == ("P(mask)",):
+        outs_s = tuple(None if p is None else planned(p) for p in out_p)
+        ins_s = tuple(planned(p) for p in in_p)
+        if node.target is torch.ops.aten.embedding.default and outs_s == (pl.Partial("mask"),):
             # row-wise lookup: DTensor masks the replicated indices locally (no communication)
             # and the masked rows make the result a plain partial sum; lowering does both
             # explicitly (runtime.rowwise_embedding), so plan it as indices R -> output P
-            outs_s, ins_s = ("P",), (ins_s[0], "R")
+            outs_s, ins_s = (pl.P,), (ins_s[0], pl.R)
         if len(ins_s) != len(ins) or any(p is None for p in ins_s) or any(
                 o is None and p is not None for o, p in zip(outs_s, out_p)):
             continue
         rules.add((outs_s, ins_s))
-    all_r = (tuple("R" if isinstance(v, torch.Tensor) else None for v in outs), ("R",) * len(ins))
+    all_r = (tuple(pl.R if isinstance(v, torch.Tensor) else None for v in outs), (pl.R,) * len(ins))
     rules.add(all_r)
     return sorted(rules, key=lambda r: (r != all_r, r))
 
@@ -197,11 +200,11 @@ def _backward_supported(op, prop) -> bool:
     return not candidates or any(_has_rule(getattr(c, name), prop) for c in candidates for name in c.overloads())
 
 
-def evenly_sharded(shape, placements: tuple[str, ...], mesh_shape: tuple[int, ...]) -> bool:
+def evenly_sharded(shape, spec: pl.Spec, mesh_shape: tuple[int, ...]) -> bool:
     parts = [1] * len(shape)
-    for p, size in zip(placements, mesh_shape):
-        if p.startswith("S("):
-            parts[int(p[2:-1])] *= size
+    for p, size in zip(spec, mesh_shape):
+        if p.is_shard:
+            parts[p.dim] *= size
     return all(s % k == 0 and s >= k for s, k in zip(shape, parts) if k > 1)
 
 
@@ -259,12 +262,12 @@ def _worth_planning(rule: tuple[tuple, tuple], constant: bool) -> bool:
     """The two prunings of the module docstring, on one (outputs, inputs) rule of one mesh dim."""
     outputs, inputs = rule
     if constant:  # never partial
-        return not any(p is not None and p.startswith("P") for p in (*outputs, *inputs))
-    return not any(p.startswith("P(") for p in inputs)  # no non-sum partial inputs
+        return not any(p is not None and p.is_partial for p in (*outputs, *inputs))
+    return not any(p.is_partial and p is not pl.P for p in inputs)  # no non-sum partial inputs
 
 
 def _replicated(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
-    everywhere = ("R",) * len(mesh_shape)
+    everywhere = pl.replicated(len(mesh_shape))
     return Strategy(tuple(everywhere if isinstance(v, torch.Tensor) else None for v in output_vals(node)),
                     (everywhere,) * len(tensor_args(node)))
 
@@ -286,8 +289,8 @@ def _combine(node, per_dim, mesh_shape) -> list[Strategy]:
     return result
 
 
-def _shards_dim_twice(placement: tuple[str, ...] | None) -> bool:
-    dims = [p for p in placement or () if p.startswith("S(")]
+def _shards_dim_twice(spec: pl.Spec | None) -> bool:
+    dims = [p for p in spec or () if p.is_shard]
     return len(dims) != len(set(dims))
 
 
@@ -316,4 +319,4 @@ def work_split(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
     first = next((p for p in strategy.outputs if p is not None), None)
     if first is None:
         return 1
-    return math.prod(size for p, size in zip(first, mesh_shape) if p != "R")
+    return math.prod(size for p, size in zip(first, mesh_shape) if p is not pl.R)

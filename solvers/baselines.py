@@ -1,23 +1,28 @@
 """Hand-written parallel configurations, expressed as fixed placements of parameters and
 inputs; the ILP fills in the remaining ops, so each baseline is costed by the same model.
 
-``leaf_options[i]`` lists, for problem node i, the placement string of each strategy of a
-parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
+``leaf_options[i]`` lists, for problem node i, the placement (autopar.placements spec) of each
+strategy of a parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
 parameter plays ("column_weight", "column_bias", "row_weight", "row_bias", "table" for a
 sparse embedding table, or None);
 ``batch_dims[i]`` is the batch dimension of an input (None: the input has no batch dim and
-stays replicated). In the rules, ``B`` stands for "shard on the batch dim".
+stays replicated). In the rules, ``BATCH`` stands for "shard on the batch dim".
 ``BASELINES`` are for a 1-D mesh over all devices, ``BASELINES_2D`` for a 2-D mesh whose
 inner dimension lies inside a host.
 
->>> ddp(["param", "input", "op"], [["R", "S(0)"], ["R", "S(0)"], []], [None, None, None], [None, 0, None])
+>>> options = [(R,), (Shard(0),)]
+>>> ddp(["param", "input", "op"], [options, options, []], [None, None, None], [None, 0, None])
 {0: 0, 1: 1}
 """
 
 from __future__ import annotations
 
+from autopar.placements import R, Shard, Spec
 
-def _pick(options: list[str], wanted: list[str]) -> int | None:
+BATCH = object()  # in a rule: Shard(batch dim) for an input with one, R for an input without
+
+
+def _pick(options: list[Spec], wanted: list[Spec]) -> int | None:
     for w in wanted:
         if w in options:
             return options.index(w)
@@ -35,7 +40,8 @@ def _fix(kinds, leaf_options, batch_dims, param_wanted, input_wanted, roles=None
             continue
         if kind == "input":
             batch = batch_dims[i] if batch_dims else 0
-            wanted = [w.replace("B", "R" if batch is None else f"S({batch})") for w in wanted]
+            on_batch = R if batch is None else Shard(batch)
+            wanted = [tuple(on_batch if p is BATCH else p for p in w) for w in wanted]
         choice = _pick(options, wanted)
         if choice is None:
             return None  # e.g. a batch not divisible by the data-parallel degree
@@ -43,47 +49,48 @@ def _fix(kinds, leaf_options, batch_dims, param_wanted, input_wanted, roles=None
     return fixed
 
 
-def ddp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
+def ddp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
     """DDP: parameters replicated, inputs split on the batch dim."""
-    return _fix(kinds, leaf_options, batch_dims, ["R"], ["B"])
+    return _fix(kinds, leaf_options, batch_dims, [(R,)], [(BATCH,)])
 
 
-def fsdp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
+def fsdp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
     """FSDP / ZeRO-3: parameters sharded on dim 0 (replicated when too small), batch split."""
-    return _fix(kinds, leaf_options, batch_dims, ["S(0)", "R"], ["B"])
+    return _fix(kinds, leaf_options, batch_dims, [(Shard(0),), (R,)], [(BATCH,)])
 
 
-MEGATRON_ROLES = {"column_weight": ["S(0)"], "column_bias": ["S(0)"], "row_weight": ["S(1)"], "row_bias": ["R"]}
+MEGATRON_ROLES = {"column_weight": [(Shard(0),)], "column_bias": [(Shard(0),)], "row_weight": [(Shard(1),)],
+                  "row_bias": [(R,)]}
 
 
-def megatron_tp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
+def megatron_tp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
     """Megatron tensor parallelism over all devices: linear layers alternate column-parallel
     (weight rows and bias sharded) and row-parallel (weight columns sharded, bias replicated);
     everything else replicated, inputs replicated. Infeasible when no linear layer exists."""
     if not any(role in MEGATRON_ROLES for role in roles):
         return None
-    return _fix(kinds, leaf_options, batch_dims, ["R"], ["R"], roles, MEGATRON_ROLES)
+    return _fix(kinds, leaf_options, batch_dims, [(R,)], [(R,)], roles, MEGATRON_ROLES)
 
 
-def row_wise(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
+def row_wise(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
     """Every sparse embedding table sharded by rows (replicated when its rows do not split
     evenly; lookups routed to the owner of each row,
     TorchRec's row-wise sharding), dense parameters replicated, batch split. Not applicable
     to a model without sparse tables."""
     if "table" not in roles:
         return None
-    return _fix(kinds, leaf_options, batch_dims, ["R"], ["B"], roles, {"table": ["S(0)", "R"]})
+    return _fix(kinds, leaf_options, batch_dims, [(R,)], [(BATCH,)], roles, {"table": [(Shard(0),), (R,)]})
 
 
 BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp, "row_wise": row_wise}
 
 
-def tp_dp(kinds: list[str], leaf_options: list[list[str]], roles, batch_dims=None) -> dict[int, int] | None:
+def tp_dp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
     """Megatron inside a host (inner mesh dim) × data parallel across hosts (outer dim)."""
     if not any(role in MEGATRON_ROLES for role in roles):
         return None
-    by_role = {role: [f"R,{p[0]}"] for role, p in MEGATRON_ROLES.items()}
-    return _fix(kinds, leaf_options, batch_dims, ["R,R"], ["B,R"], roles, by_role)
+    by_role = {role: [(R, *p[0])] for role, p in MEGATRON_ROLES.items()}
+    return _fix(kinds, leaf_options, batch_dims, [(R, R)], [(BATCH, R)], roles, by_role)
 
 
 BASELINES_2D = {"tp_dp": tp_dp}

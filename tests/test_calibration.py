@@ -15,6 +15,7 @@ from autopar.devices import get_device
 from autopar.mesh import MeshSpec
 from autopar.passes.cost import OpCost, op_class
 from autopar.passes.build_problem import reshard_s
+from autopar.placements import R, Shard
 from autopar.profile import fit_collectives
 from distributed import run_world
 
@@ -84,9 +85,9 @@ def test_only_all_reduced_gradients_are_bucketed():
     link = Link(1e9, 1e-3)
     mesh = MeshSpec((2,), ("dp",), (link,))
     nbytes = 4 * 10**6
-    replicated = reshard_s(("R",), ("R",), (True,), nbytes, True, mesh, True)
+    replicated = reshard_s((R,), (R,), (True,), nbytes, True, mesh, True)
     assert replicated == pytest.approx(comm.all_reduce_s(nbytes, 2, Link(1e9, 0.0)))
-    sharded = reshard_s(("S(0)",), ("R",), (True,), nbytes, True, mesh, True)
+    sharded = reshard_s((Shard(0),), (R,), (True,), nbytes, True, mesh, True)
     gather = comm.all_gather_s(nbytes, 2, link)
     assert sharded == pytest.approx(2 * gather + comm.reduce_scatter_s(nbytes, 2, link))
 

@@ -10,6 +10,7 @@ import autopar
 from autopar import AutoparError
 from autopar.cluster import Cluster
 from autopar.mesh import mesh_for_shape
+from autopar.placements import R, parse_spec
 from models import MLP
 
 TWO_REGIONS = """\
@@ -105,7 +106,7 @@ def test_no_collective_crosses_a_slow_wan_link(tmp_path):
     placements = [p.placement for p in plan.parameters.values()]
     placements += [o for n in plan.nodes.values() for o in (*n.outputs, *n.inputs) if o]
     for d in wan_dims:
-        assert {p.split(",")[d] for p in placements} == {"R"}
+        assert {parse_spec(p)[d] for p in placements} == {R}
 
 
 CUSTOM = """\

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.placements import R, Shard
 from models import MLP, Block
 
 
@@ -56,11 +57,11 @@ def test_transformer_block_gets_megatron_column_row_pattern(mesh, dim):
     plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=mesh)
 
     def on_dim(fqn):
-        return plan.parameters[fqn].placement.split(",")[dim]
+        return plan.parameters[fqn].spec[dim]
 
     assert [on_dim(f) for f in ("qkv.weight", "proj.weight", "fc.weight", "out.weight")] == \
-        ["S(0)", "S(1)", "S(0)", "S(1)"], {k: v.placement for k, v in plan.parameters.items()}
-    assert on_dim("ln1.weight") == "R"
+        [Shard(0), Shard(1), Shard(0), Shard(1)], {k: v.placement for k, v in plan.parameters.items()}
+    assert on_dim("ln1.weight") is R
     assert not any(n.fallback for n in plan.nodes.values())  # every op had a DTensor rule
     if len(mesh) == 1:  # the hand-written Megatron baseline is exactly what the solver found
         assert plan.baselines["megatron_tp"]["predicted_step_s"] == pytest.approx(plan.predicted_step_s)

@@ -28,7 +28,7 @@ Where the less obvious modules sit, and why:
   * passes.materialize (a meta-built model's weights made real one module at a time) is
     lowering/runtime: it runs at apply, reads no graph, and only lowering calls it;
   * passes.dtensor_ops ("ops") holds the DTensor helpers analysis and the training runtime
-    share — placement strings <-> DTensor placements, the experts' relabelling op that
+    share — placement values <-> DTensor placements, the experts' relabelling op that
     passes.expert_order checks on real values and lowering emits — so neither imports the other.
 
 Besides: the training runtime (passes.runtime, autopar.parallel) reaches no analysis module,

@@ -12,7 +12,8 @@ import sympy
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, checked_mesh
-from autopar.plan import Plan, placement_text
+from autopar.placements import format_spec
+from autopar.plan import Plan
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
@@ -75,7 +76,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
         options = index.strategies[q]
         if kind == "param":
             wanted = plan.parameters[captured.parameter_of[name]].placement
-            match = [t for t, s in enumerate(options) if placement_text(s.outputs[0]) == wanted]
+            match = [t for t, s in enumerate(options) if format_spec(s.outputs[0]) == wanted]
         elif kind == "buffer" or kind == "output":
             match = [0]
         else:
@@ -83,8 +84,8 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
             if node is None:
                 raise AutoparError(ErrorKind.BAD_PLAN, f"node {name} of this graph is not in the plan (the plan was "
                                    "made for a different graph)")
-            match = [t for t, s in enumerate(options) if tuple(placement_text(p) for p in s.outputs) == node.outputs
-                     and tuple(placement_text(p) for p in s.inputs) == node.inputs and s.exchange == node.exchange]
+            match = [t for t, s in enumerate(options) if tuple(format_spec(p) for p in s.outputs) == node.outputs
+                     and tuple(format_spec(p) for p in s.inputs) == node.inputs and s.exchange == node.exchange]
         if not match:
             raise AutoparError(ErrorKind.BAD_PLAN, f"node {name}: its planned placement is not available on mesh "
                                f"{list(mesh.shape)} of {cluster.describe()}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar import placements as pl
 from autopar.plan import layer_of_path
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
@@ -93,7 +94,7 @@ def baseline_problem(captured: Captured, problem: ShardingProblem, index: Proble
         for q, node_name in enumerate(index.names):
             if node_name in lookups:
                 local = [t for t, s in enumerate(index.strategies[q]) if not s.exchange
-                         and all(p == "R" for p in s.inputs[0]) and all(p == "S(0)" for p in s.inputs[1])]
+                         and pl.is_replicated(s.inputs[0]) and all(p is pl.Shard(0) for p in s.inputs[1])]
                 if local:
                     fixed = {**fixed, q: local[0]}
     return dataclasses.replace(problem, fixed=fixed, excluded=_sparse_exchanges(index))
@@ -104,7 +105,7 @@ def _sparse_exchanges(index: ProblemIndex) -> frozenset[tuple[int, int]]:
     return frozenset((i, t) for i, options in enumerate(index.strategies) for t, s in enumerate(options) if s.exchange)
 
 
-def _leaf_options(index: ProblemIndex) -> list[list[str]]:
-    """Placement string of each strategy of every parameter and input node (baselines fix these)."""
-    return [[",".join(s.outputs[0]) for s in options] if kind in ("param", "input") else []
+def _leaf_options(index: ProblemIndex) -> list[list[pl.Spec]]:
+    """Placement of each strategy of every parameter and input node (baselines fix these)."""
+    return [[s.outputs[0] for s in options] if kind in ("param", "input") else []
             for kind, options in zip(index.kinds, index.strategies)]

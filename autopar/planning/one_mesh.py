@@ -21,7 +21,8 @@ from typing import NamedTuple
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
-from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan, placement_text
+from autopar.placements import format_spec
+from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
 from autopar.planning.hand_written import baseline_problem, cost_baselines
 from autopar.planning.options import PlanOptions
 from autopar.planning.sections import expert_layers, sparse_tables
@@ -292,26 +293,25 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         kind = index.kinds[q]
         if kind == "param":
             fqn = captured.parameter_of[node.name]
-            split = tuple(d for d, p in enumerate(chosen.outputs[0]) if p.startswith("S("))
-            exchange = "reduce_scatter" if split else "allreduce"
-            parameters[fqn] = ParameterPlan(placement_text(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
+            exchange = "reduce_scatter" if any(p.is_shard for p in chosen.outputs[0]) else "allreduce"
+            parameters[fqn] = ParameterPlan(format_spec(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
             memory["param"] += problem.node_memory[q][choice]
         elif kind == "buffer":
-            buffers[captured.buffer_of[node.name]] = placement_text(chosen.outputs[0])
+            buffers[captured.buffer_of[node.name]] = format_spec(chosen.outputs[0])
         elif kind in ("op", "input"):
             local = _local_costs(problem, solution.choice, q, incident.get(node.name, []))
             others = sorted((t for t in range(len(local)) if t != choice and math.isfinite(local[t])),
                             key=lambda t: (problem.node_costs[q][t] + local[t], t))[:_ALTERNATIVES]
             nodes[node.name] = NodePlan(
                 op=str(node.target) if kind == "op" else "input",
-                outputs=tuple(placement_text(p) for p in chosen.outputs),
-                inputs=tuple(placement_text(p) for p in chosen.inputs),
+                outputs=tuple(format_spec(p) for p in chosen.outputs),
+                inputs=tuple(format_spec(p) for p in chosen.inputs),
                 compute_s=problem.node_costs[q][choice],
                 fallback=bool(index.fallback[q]),
                 reshard_s=local[choice],
                 alternatives=tuple({
-                    "outputs": [placement_text(p) for p in index.strategies[q][t].outputs],
-                    "inputs": [placement_text(p) for p in index.strategies[q][t].inputs],
+                    "outputs": [format_spec(p) for p in index.strategies[q][t].outputs],
+                    "inputs": [format_spec(p) for p in index.strategies[q][t].inputs],
                     "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
                     "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
                 } for t in others),

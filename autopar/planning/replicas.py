@@ -32,7 +32,8 @@ from collections.abc import Callable
 from autopar.cluster import Cluster
 from autopar.comm import all_gather_s, all_reduce_s
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, ReplicaPlan, TensorSpec, split_over
+from autopar.placements import split_over
+from autopar.plan import Plan, ReplicaPlan, TensorSpec
 from autopar.planning.costing import recost
 from autopar.planning.one_mesh import make_plan
 from autopar.planning.options import PlanOptions
@@ -142,7 +143,7 @@ def _gradient_sync(cluster: Cluster, groups, plan: Plan, captures: list) -> tupl
     for fqn in sorted(plan.sparse):
         if not all(fqn in t for t in touched):
             continue
-        placement = plan.parameters[fqn].placement
+        placement = plan.parameters[fqn].spec
         row_split, col_split = split_over(placement, plan.mesh_shape, 0), split_over(placement, plan.mesh_shape, 1)
         lookup = touched[0][fqn]
         local_bytes = lookup.table_bytes // (row_split * col_split)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from autopar import placements as pl
 from autopar.mesh import MeshSpec
-from autopar.plan import NodePlan, ParameterPlan, owned_dim, split_over
+from autopar.plan import NodePlan, ParameterPlan
 from autopar.solvers.balance import balanced_order, device_loads, imbalance
 from autopar.passes.capture import Captured
 from autopar.passes.experts import EXPERTS_KEY
-from autopar.passes.expert_dispatch import DISPATCH_KEY, DISPATCHED
+from autopar.passes.expert_dispatch import DISPATCH_KEY
 from autopar.passes.sparse import LOOKUP_KEY, TABLE_WISE, exchange_bytes
 from autopar.passes.sparse import table_owners as sparse_owners
 
@@ -29,14 +30,14 @@ def sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: di
             continue
         chosen = nodes[node.name]
         table = parameters[lookup.parameter]
-        placement = table.placement.split(",")
+        placement = table.spec
         if chosen.exchange:
             exchange = chosen.exchange
-        elif all(p == "R" for p in placement) and all(p == "R" for p in chosen.inputs[1].split(",")):
+        elif pl.is_replicated(placement) and pl.is_replicated(chosen.input_spec(1)):
             exchange = "none"  # every device looks up every index: the full gradient is already local
-        elif "S(0)" in placement:
+        elif pl.Shard(0) in placement:
             exchange = "row_sharded"
-        elif "S(1)" in placement:
+        elif pl.Shard(1) in placement:
             exchange = "column_sharded"
         else:
             exchange = table.exchange
@@ -55,13 +56,13 @@ def sparse_tables(captured: Captured, nodes: dict[str, NodePlan], parameters: di
 
 
 def table_owners(tables: dict[str, dict], parameters: dict[str, ParameterPlan], mesh: MeshSpec) -> dict[str, int]:
-    """The device (coordinate on the mesh dim placed "O") that holds each table-wise table
+    """The device (coordinate on the mesh dim placed ``O``) that holds each table-wise table
     (passes.sparse.table_owners, per mesh dim)."""
     owners: dict[str, int] = {}
     by_dim: dict[int, list[tuple[str, int, int]]] = {}
     for fqn, table in tables.items():
         if table["exchange"] == TABLE_WISE:
-            by_dim.setdefault(owned_dim(parameters[fqn].placement), []).append(
+            by_dim.setdefault(pl.owned_dim(parameters[fqn].spec), []).append(
                 (fqn, table["pooled_bytes"], parameters[fqn].bytes))
     for dim, members in sorted(by_dim.items()):
         owners.update(sparse_owners(members, mesh.shape[dim]))
@@ -79,10 +80,10 @@ def expert_layers(captured: Captured, parameters: dict[str, ParameterPlan], node
             layers[group.module] = _module_list_layer(captured, group, parameters, nodes, mesh)
             continue
         for fqn in group.parameters:
-            exchange = _expert_exchange(parameters[fqn].placement)
+            exchange = _expert_exchange(parameters[fqn].spec)
             if exchange is not None:
                 parameters[fqn] = dataclasses.replace(parameters[fqn], exchange=exchange)
-        layer = _layer_load(group, parameters[group.parameters[0]].placement,
+        layer = _layer_load(group, parameters[group.parameters[0]].spec,
                             parameters[group.parameters[0]].exchange, mesh)
         dispatch = _dispatch_of(captured, group, nodes)
         if dispatch is not None:  # experts gathered per token, their rows sent to the owners
@@ -100,9 +101,9 @@ def _dispatch_of(captured: Captured, group, nodes: dict[str, NodePlan]) -> dict 
     for node in captured.graph.nodes:
         dispatch = node.meta.get(DISPATCH_KEY)
         if dispatch is not None and set(dispatch.weights) <= set(group.nodes) and node.name in nodes:
-            chosen = nodes[node.name].outputs[0].split(",")
-            if DISPATCHED in chosen:
-                return dispatch.to_plan(chosen.index(DISPATCHED))
+            dim = pl.index_of(nodes[node.name].output_spec(), pl.D)
+            if dim is not None:
+                return dispatch.to_plan(dim)
     return None
 
 
@@ -117,16 +118,16 @@ def _apply_order(layer: dict, group) -> None:
 def _module_list_layer(captured: Captured, group, parameters: dict[str, ParameterPlan], nodes: dict[str, NodePlan],
                        mesh: MeshSpec) -> dict:
     """A ModuleList's batched experts: placed as the stack of their weights is. Weights that
-    live on their owners ("O": expert parallel) get that ``exchange`` (in ``parameters``, in
+    live on their owners (``O``: expert parallel) get that ``exchange`` (in ``parameters``, in
     place); the others keep theirs. Experts on their owners go to the devices of the balanced
     order (:func:`_apply_order`)."""
-    placement = nodes[group.nodes[0]].outputs[0]
+    placement = nodes[group.nodes[0]].output_spec()
     stacks = [n for n in captured.graph.nodes if n.name in group.nodes]
     owned = True
     for stack in stacks:
         for weight in stack.args[0]:
             fqn = captured.parameter_of[weight.name]
-            if owned_dim(parameters[fqn].placement) is not None:
+            if pl.owned_dim(parameters[fqn].spec) is not None:
                 parameters[fqn] = dataclasses.replace(parameters[fqn], exchange="expert_parallel")
             else:
                 owned = False
@@ -136,21 +137,20 @@ def _module_list_layer(captured: Captured, group, parameters: dict[str, Paramete
     return layer
 
 
-def _expert_exchange(placement: str) -> str | None:
+def _expert_exchange(placement: pl.Spec) -> str | None:
     """How stacked expert weights placed ``placement`` are split: over the experts (dim 0),
     inside each expert, or not at all (None)."""
-    split = placement.split(",")
-    if "S(0)" in split:
+    if pl.Shard(0) in placement:
         return "expert_parallel"
-    if any(p.startswith("S(") for p in split):
+    if any(p.is_shard for p in placement):
         return "expert_tensor_parallel"
     return None
 
 
-def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:
+def _layer_load(group, placement: pl.Spec, exchange: str, mesh: MeshSpec) -> dict:
     """The layer's plan entry: placement and tokens per device, in the model's expert order
     and in the balanced one (advice: ``order_applied`` is False until the caller applies it)."""
-    expert_devices = split_over(placement, mesh.shape, 0)
+    expert_devices = pl.split_over(placement, mesh.shape, 0)
     load = group.load or (1,) * group.experts
     divisible = group.experts % expert_devices == 0
     order = balanced_order(load, expert_devices) if divisible else list(range(group.experts))
@@ -158,7 +158,7 @@ def _layer_load(group, placement: str, exchange: str, mesh: MeshSpec) -> dict:
     balanced = device_loads(load, order, expert_devices)
     return {
         "experts": group.experts, "top_k": group.top_k, "parameters": list(group.parameters),
-        "form": group.form, "placement": placement, "exchange": exchange,
+        "form": group.form, "placement": pl.format_spec(placement), "exchange": exchange,
         "expert_devices": expert_devices, "load": list(load), "load_source": group.load_source,
         "order": order, "order_applied": False, "device_load": balanced, "imbalance": imbalance(balanced),
         "device_load_in_order": in_order, "imbalance_in_order": imbalance(in_order)}

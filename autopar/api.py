@@ -26,7 +26,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
          schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
          configuration: str | None = None, sparsity: dict[str, float] | None = None,
-         symbolic: bool = False) -> Plan:
+         symbolic: bool = False, mixed_precision=None) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -45,15 +45,18 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     ``symbolic=True`` also traces the model at 2–4× the batch and stores the step time as a
     formula of the batch size, so ``plan.predict(batch_size=…)`` re-costs the plan without
     the model (one mesh only; not for pipeline or replica plans).
+    ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``"bf16"``,
+    ``"fp16"``, ``"fp32"``) with FSDP2's meaning: compute, activations and weight gathers in
+    ``param_dtype``, fp32 master weights, gradients and optimizer states.
     """
-    from autopar.planning import ModelGraphs, PlanOptions, choose
+    from autopar.planning import ModelGraphs, PlanOptions, Precision, choose
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     options = PlanOptions(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, mesh_shape=mesh_shape,
                           cluster_layers=cluster_layers, pipeline=pipeline, micro_batches=micro_batches,
                           schedule=schedule, replicas=replicas, batch_split=batch_split, configuration=configuration,
-                          sparsity=sparsity, symbolic=symbolic)
-    return choose(ModelGraphs(model, example_inputs, options.sparsity), target, options)
+                          sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision))
+    return choose(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), target, options)
 
 
 def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:
@@ -78,15 +81,15 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
     ``cluster=None`` plans for the current world: one ``cpu`` device per rank. Rank 0 plans
     and broadcasts the plan, so every rank runs the same one. Options are :func:`plan`'s.
     """
-    from autopar.planning import ModelGraphs, PlanOptions, choose, lower_plan
+    from autopar.planning import ModelGraphs, PlanOptions, Precision, choose, lower_plan
 
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(ErrorKind.WORLD_MISMATCH,
                            "parallelize() runs inside a process group (torchrun, or dist.init_process_group); "
                            "to plan without one use autopar.plan(...)")
     target = Cluster.from_spec(cluster or f"{dist.get_world_size()}xcpu", options.pop("memory_limit", None))
-    options = PlanOptions(**options)
-    graphs = ModelGraphs(model, example_inputs, options.sparsity)
+    options = PlanOptions(**{**options, "mixed_precision": Precision.of(options.get("mixed_precision"))})
+    graphs = ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype)
     payload = [None]
     if dist.get_rank() == 0:
         try:

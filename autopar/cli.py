@@ -94,7 +94,7 @@ def _load_model(target: str, trust_pickle: bool):
 
 def summary_json(plan) -> dict:
     """The stable machine-readable summary (keys are only ever added, never renamed)."""
-    from autopar.report import imbalance, layer_groups, top_nodes
+    from autopar.report import imbalance, layer_groups, throughput, top_nodes
 
     limit = plan.cluster["memory_limit_bytes"]
     return {
@@ -117,6 +117,8 @@ def summary_json(plan) -> dict:
         "peak_memory_bytes": [st.memory.total_bytes for st in (*plan.stages, *plan.replicas) for _ in st.ranks]
         or [plan.memory.total_bytes] * plan.num_devices,
         "memory_limit_bytes": [limit] * plan.num_devices,
+        "mixed_precision": plan.options.get("mixed_precision"),  # {"param_dtype", "reduce_dtype"} or None
+        **throughput(plan),  # tokens_per_s_per_device (None: not a token model), predicted_mfu
         "family": plan.family,  # which planning family made it: one_mesh, pipeline, replicas
         "families": plan.families,  # what each family tried predicted (or why it did not apply)
         "baselines": plan.baselines,  # hand-written configurations on this cluster
@@ -196,7 +198,7 @@ def _plan_for_cli(autopar, args, model, inputs):
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
                         batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None,
-                        symbolic=bool(args.batch_size))
+                        symbolic=bool(args.batch_size), mixed_precision=args.precision)
 
 
 def _cmd_show(args) -> int:
@@ -313,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=float, help="bytes per device")
     p.add_argument("--solver", default="cpsat")
     p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="fp32",
+                   help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
+                        "fp32 master weights, gradient reduction and optimizer states)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
     p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
                    help="pipeline stages over the cluster's regions: auto keeps the faster of staged and one mesh")

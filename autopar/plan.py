@@ -225,6 +225,10 @@ class Plan:
     # plan was made without them
     symbolic: dict[str, Any] = field(default_factory=dict)
     comm_bytes: float = 0.0  # bytes one device sends per step (one-mesh plans; 0 when not computed)
+    # one training step's work (autopar.planning.throughput): flops_per_step, flops_dtype,
+    # samples_per_step, tokens_per_step (None unless the first input is token ids),
+    # peak_flops_per_s (every device's datasheet peak in that dtype), devices
+    work: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -301,7 +305,8 @@ class Plan:
                 replicas=tuple(ReplicaPlan.from_json(r) for r in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
-                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), family=d["family"],
+                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}),
+                family=d["family"],
                 families=d["families"], schema_version=version,
             )
         except (KeyError, TypeError, ValueError) as exc:

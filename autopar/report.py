@@ -23,6 +23,8 @@ def summary(plan: Plan) -> str:
                   f"{list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver {plan.solver['status']}{timing}")
     console.print(f"predicted step {format_seconds(plan.predicted_step_s)} = compute "
                   f"{format_seconds(plan.predicted_compute_s)} + communication {format_seconds(plan.predicted_comm_s)}")
+    console.print(precision_line(plan))
+    console.print(throughput_line(plan))
     memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
                    "memory per device in the largest replica's plan, and time" if plan.replicas else
                    f"memory per device, and time (all {plan.num_devices} devices run the same program)")
@@ -179,6 +181,37 @@ def imbalance(plan: Plan) -> dict[str, float]:
 
 
 _TOP = 5
+
+
+def throughput(plan: Plan) -> dict:
+    """Predicted ``tokens_per_s_per_device`` (None when the first input is not token ids) and
+    ``predicted_mfu`` (autopar.planning.throughput; None for plans made before plans recorded
+    their work)."""
+    work, step = plan.work, plan.predicted_step_s
+    if not work or step <= 0:
+        return {"tokens_per_s_per_device": None, "predicted_mfu": None}
+    tokens = work.get("tokens_per_step")
+    return {"tokens_per_s_per_device": tokens / step / work["devices"] if tokens else None,
+            "predicted_mfu": work["flops_per_step"] / (step * work["peak_flops_per_s"])}
+
+
+def throughput_line(plan: Plan) -> str:
+    rates = throughput(plan)
+    if rates["predicted_mfu"] is None:
+        return "throughput: not recorded in this plan"
+    tokens = rates["tokens_per_s_per_device"]
+    per = f"{tokens:,.0f} tokens/s per device, " if tokens else ""
+    return (f"predicted {per}MFU {100 * rates['predicted_mfu']:.1f}% "
+            f"({plan.work['flops_per_step']:.3g} FLOPs per step in {plan.work['flops_dtype']})")
+
+
+def precision_line(plan: Plan) -> str:
+    """What the plan computes in: the mixed-precision policy, or the model's own dtypes."""
+    policy = plan.options.get("mixed_precision")
+    if not policy:
+        return "precision: the model's own dtypes (no mixed-precision policy)"
+    return (f"mixed precision: compute, activations and weight gathers in {policy['param_dtype']}; masters, "
+            f"optimizer states, gradient all-reduce in {policy['reduce_dtype']}")
 
 
 def top_nodes(plan: Plan, k: int = _TOP) -> dict[str, list[dict]]:

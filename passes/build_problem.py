@@ -63,6 +63,9 @@ class ProblemIndex:
     node_of: dict[str, int]  # every graph node name (copies included) -> problem node
     edge_of: dict[tuple[str, str, int], int]  # graph edge (producer, consumer, arg) -> problem edge
     fallback: list[bool]  # op runs replicated for lack of a DTensor rule
+    # mixed precision: parameter node -> bytes of its compute-dtype working copy per strategy
+    # (included in the node's memory beside the fp32 master, gradient and optimizer states)
+    working: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
@@ -81,10 +84,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     all of them on every device (a bound that holds whatever the owners)."""
     graph = captured.graph
     repeated = repeated or {}
-    grad_nodes = _gradient_path(graph, captured)
+    grad_nodes = gradient_path(graph, captured)
     members = expert_members(graph)
     tables = table_wise_tables(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
+    working: dict[int, list[int]] = {}
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
 
@@ -102,8 +106,15 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             if node.name in tables:  # a table may live whole on one device of a dim (table-wise)
                 options += [Strategy((p,), ()) for p in owned_table_options(mesh.shape)]
             copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
-            mem = [copies * tensor_bytes(val) // (1 if tables_whole and node.name in tables and pl.O in s.outputs[0]
-                                                  else _shards(s.outputs[0], mesh.shape)) for s in options]
+            divisors = [1 if tables_whole and node.name in tables and pl.O in s.outputs[0]
+                        else _shards(s.outputs[0], mesh.shape) for s in options]
+            master_itemsize = captured.master_itemsize.get(node.name) if kind == "param" else None
+            if master_itemsize:  # mixed precision: fp32 master, gradient, states + the working copy
+                master = val.numel() * master_itemsize
+                working[len(names)] = [tensor_bytes(val) // k for k in divisors]
+                mem = [copies * master // k + w for k, w in zip(divisors, working[len(names)])]
+            else:
+                mem = [copies * tensor_bytes(val) // k for k in divisors]
             cost = [0.0] * len(options)
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]
@@ -164,14 +175,25 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                           else tensor_bytes(output_vals(producer)[out_index]))
                 edge_at[key] = len(edges)
                 edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], nbytes, key[4], key[5], mesh,
-                                   follow=consumer is not None and _follows(consumer, a)))
+                                   follow=consumer is not None and _follows(consumer, a),
+                                   sync_nbytes=_master_grad_bytes(captured, producer, out_index, nbytes)
+                                   if key[5] else None))
             else:
                 k = edge_at[key]
                 edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
             edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
-    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback)
+    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, working)
+
+
+def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: int, nbytes):
+    """Bytes of a weight's gradient where it is all-reduced: on the fp32 master gradient under
+    mixed precision (passes.grad_sync), else as the edge carries it; None when they agree."""
+    val = output_vals(producer)[out_index]
+    if captured.compute_dtype is None or not isinstance(val, torch.Tensor) or val.dtype != captured.compute_dtype:
+        return None
+    return nbytes * (torch.finfo(torch.float32).bits // torch.finfo(val.dtype).bits)
 
 
 def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device: DeviceSpec | None) -> float:
@@ -264,7 +286,7 @@ def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
     return names
 
 
-def _gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
+def gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
     """Nodes whose floating-point output depends on a parameter (they get a backward)."""
     on_path = set(captured.parameter_of) | set(captured.grad_inputs)
     for node in graph.nodes:
@@ -292,7 +314,8 @@ def _tensor_index(node: torch.fx.Node, out_index: int) -> int:
     return sum(isinstance(v, torch.Tensor) for v in output_vals(node)[:out_index])
 
 
-def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False) -> Edge:
+def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False,
+          sync_nbytes=None) -> Edge:
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
@@ -301,12 +324,13 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
     src_classes = sorted(set(src_keys))
     dst_classes = sorted(set(dst_keys))
     accepted = {v for v, _ in dst_classes}
-    cost = [[None if follow and u in accepted and v != u else reshard_s(u, v, split, nbytes, needs_grad, mesh, regather)
-             for (v, split) in dst_classes] for u in src_classes]
+    cost = [[None if follow and u in accepted and v != u
+              else reshard_s(u, v, split, nbytes, needs_grad, mesh, regather, sync_nbytes)
+              for (v, split) in dst_classes] for u in src_classes]
 
     def volume(u: int, v: int) -> float:  # the same collectives on a link of 1 byte/s: their bytes
         return reshard_s(src_classes[u], dst_classes[v][0], dst_classes[v][1], nbytes, needs_grad, unit_links(mesh),
-                         regather) or 0.0
+                         regather, sync_nbytes) or 0.0
     return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
                 volume=volume)
 
@@ -351,13 +375,15 @@ def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
 
 @functools.lru_cache(maxsize=1 << 18)
 def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
-              needs_grad: bool, mesh: MeshSpec, regather: bool = False) -> float | None:
+              needs_grad: bool, mesh: MeshSpec, regather: bool = False, sync_nbytes=None) -> float | None:
     """Forward (+ backward) time to turn placement ``src`` into ``dst``; None if impossible.
 
     ``regather`` (parameter edges): a sharded parameter gathered for use is gathered again for
     backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and a
     gradient that only needs all-reduces (a replicated parameter's partial sums) joins one
-    flat buffer with the others (passes.grad_sync.sync_grads), so its latency term is dropped.
+    flat buffer with the others (passes.grad_sync.sync_grads), so its latency term is dropped;
+    ``sync_nbytes`` is that gradient's size there when it differs from the edge's (mixed
+    precision all-reduces the fp32 master gradient).
     """
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
@@ -367,7 +393,7 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
     want = tuple(pl.R if a.is_partial else a for a in src)
     bucketed = regather and all(g is w or (g is pl.P and w is pl.R) for g, w in zip(grad, want))
     links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
-    total = forward + _sequential_s(grad, want, nbytes, mesh, links)
+    total = forward + _sequential_s(grad, want, sync_nbytes if bucketed and sync_nbytes else nbytes, mesh, links)
     if regather:
         total += _sequential_s(tuple(a if a.is_shard else pl.R for a in src),
                                tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)

@@ -13,6 +13,7 @@ parameters and a structural fingerprint of the graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -56,6 +57,11 @@ class Captured:
     # and its boundary inputs that carry gradients back to the previous stage
     stage_graph: torch.fx.Graph | None = None
     grad_inputs: frozenset[str] = frozenset()
+    # mixed precision (captured computing in a lower dtype): parameter placeholder -> bytes per
+    # element of the model's own parameter, the master copy the optimizer steps (the graph's
+    # placeholders hold the compute dtype); empty when the model computes in its own dtypes
+    master_itemsize: dict[str, int] = dataclasses.field(default_factory=dict)
+    compute_dtype: torch.dtype | None = None  # the policy's, when captured under one
 
     @property
     def tied(self) -> dict[str, str]:
@@ -103,17 +109,57 @@ def leading_batch(inputs: tuple, splitter: str) -> int:
     return batch
 
 
-def capture(model: nn.Module, example_inputs) -> Captured:
-    """Export ``model`` on ``example_inputs`` and decompose to core ATen."""
+def compute_dtype_of(plan) -> torch.dtype | None:
+    """The dtype a plan's mixed-precision policy computes in (``plan.options``), or None."""
+    policy = plan.options.get("mixed_precision")
+    return None if not policy else getattr(torch, policy["param_dtype"])
+
+
+def compute_inputs(example_inputs, compute_dtype: torch.dtype | None) -> tuple:
+    """The inputs as a model computing in ``compute_dtype`` receives them: floating inputs cast
+    (FSDP2's ``cast_forward_inputs``), the others as they are."""
+    args = normalize_inputs(example_inputs)
+    if compute_dtype is None:
+        return args
+    return tuple(x.to(compute_dtype) if x.is_floating_point() else x for x in args)
+
+
+@contextlib.contextmanager
+def computing_in(model: nn.Module, compute_dtype: torch.dtype | None):
+    """While inside, ``model``'s floating parameters hold ``compute_dtype`` copies (buffers keep
+    theirs, as FSDP2's ``MixedPrecisionPolicy`` leaves them); restored on the way out, errors
+    included. Yields {parameter FQN: bytes per element of the model's own parameter}."""
+    masters: dict[str, torch.Tensor] = {}
+    try:
+        if compute_dtype is not None:
+            for fqn, param in model.named_parameters():
+                if param.is_floating_point() and param.dtype != compute_dtype:
+                    masters[fqn] = param.data
+                    param.data = param.data.to(compute_dtype)
+        itemsize = {id(param): masters[fqn].element_size() for fqn, param in model.named_parameters() if fqn in masters}
+        yield {fqn: itemsize[id(param)] for fqn, param in model.named_parameters(remove_duplicate=False)
+               if id(param) in itemsize}  # every name of a tied weight
+    finally:
+        params = dict(model.named_parameters())
+        for fqn, value in masters.items():
+            params[fqn].data = value
+
+
+def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None = None) -> Captured:
+    """Export ``model`` on ``example_inputs`` and decompose to core ATen. With
+    ``compute_dtype`` (mixed precision), the graph is the model computing in that dtype: its
+    floating parameters and inputs cast to it, as FSDP2 runs forward under a
+    ``MixedPrecisionPolicy(param_dtype=...)``; the parameters' own dtype is their master copy's."""
     if not isinstance(model, nn.Module):
         raise AutoparError(ErrorKind.BAD_INPUT, f"model must be a torch.nn.Module, got {type(model).__name__}")
-    args = normalize_inputs(example_inputs)
+    args = compute_inputs(example_inputs, compute_dtype)
     if not any(True for _ in model.parameters()):
         raise AutoparError(ErrorKind.BAD_INPUT,
                            f"{type(model).__name__} has no parameters: there is nothing to shard or replicate; "
                            "parallelize the model that owns the weights")
     try:
-        program = torch.export.export(model, args, strict=False)
+        with computing_in(model, compute_dtype) as master_itemsize:
+            program = torch.export.export(model, args, strict=False)
         lower_fixed_bags(program)
         program = decompose(program)
     except AutoparError:
@@ -134,6 +180,9 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     buffer_of.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}))
     captured = Captured(program, inputs, dict(sig.inputs_to_parameters), buffer_of, fingerprint(program.graph),
                         _aliases(model))
+    captured.master_itemsize = {name: master_itemsize[fqn] for name, fqn in captured.parameter_of.items()
+                                if fqn in master_itemsize}
+    captured.compute_dtype = compute_dtype
     log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
     return captured
 

@@ -38,7 +38,7 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, compute_dtype_of
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.expert_order import Relabel, apply_relabel
@@ -256,10 +256,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         warnings.simplefilter("ignore", UserWarning)  # the mesh is a plain attribute, not a tensor
         mesh_node = graph.get_attr(MESH_ATTR)
     produced: dict[str, str | None] = {}  # node name -> placement it carries at run time
+    compute_dtype = compute_dtype_of(plan)  # mixed precision: weights and inputs cast for compute
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
     for node, name in zip(user_inputs, input_names, strict=True):
         planned = plan.nodes[name].outputs[0]
-        new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned))
+        traced = node.meta.get("val")
+        cast = traced.dtype if compute_dtype is not None and isinstance(traced, torch.Tensor) else None
+        new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned, cast))
         produced[new.name] = planned
     replicated = pl.format_spec(pl.replicated(len(plan.mesh_shape)))  # as the graph's code writes it
     fuse_dispatches(gm, plan, mesh_node, produced)
@@ -267,6 +270,9 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     for node in list(graph.nodes):
         if node.op == "get_attr" and node.name != mesh_node.name:
             produced[node.name] = plan.parameters[node.target].placement if node.target in plan.parameters else replicated
+            if compute_dtype is not None and node.target in plan.parameters:
+                new = _insert_after(graph, node, runtime.compute_copy, (node, compute_dtype))
+                produced[new.name] = produced[node.name]
         if node.target is relabel_experts:  # keeps its input's placement
             produced[node.name] = produced.get(node.args[0].name)
         if node.op != "call_function" or node.target in _RUNTIME_FUNCS:
@@ -324,7 +330,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     graph.lint()
 
 
-_RUNTIME_FUNCS = {runtime.distribute_input, runtime.redistribute, runtime.replicate_constant,
+_RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
                   runtime.table_wise_lookups, runtime.dispatch_experts}

@@ -69,7 +69,8 @@ class PipelineRuntime:
         else:
             self.schedule.step()
         sync_grads([param for param in self.module.parameters() if param.grad is not None])
-        loss = torch.stack([x.detach() for x in losses]).mean() if self.is_last else torch.zeros(())
+        # in float32 on every rank: the loss may be bf16 (mixed precision), the receivers' buffer must match
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.lane)
         return loss
 

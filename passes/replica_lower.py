@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
-from autopar.passes.capture import capture
+from autopar.passes.capture import capture, compute_dtype_of
 from autopar.passes.grad_sync import all_reduce_flat
 from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
 from autopar.passes.runtime import sum_touched_rows
@@ -86,7 +86,7 @@ def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, devic
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     inputs = tuple(torch.zeros((replica.batch, *spec.shape[1:]), dtype=getattr(torch, spec.dtype), device=device)
                    for spec in plan.inputs)
-    captured = capture(model, inputs)
+    captured = capture(model, inputs, compute_dtype_of(plan))
     if captured.fingerprint != replica.fingerprint:
         raise AutoparError(ErrorKind.BAD_PLAN,
                            f"plan was made for a different graph (replica {replica.group}: fingerprint "

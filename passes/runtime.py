@@ -24,11 +24,27 @@ def placements(spec: str) -> tuple:
     return dtensor_placements(parse_spec(spec))
 
 
-def distribute_input(x: torch.Tensor, mesh, spec: str) -> DTensor:
+def distribute_input(x: torch.Tensor, mesh, spec: str, dtype: torch.dtype | None = None) -> DTensor:
     """A full input that every rank holds -> DTensor; each rank slices its shard, no
-    communication. Differentiable: a pipeline stage's input gets its gradient back."""
+    communication. Differentiable: a pipeline stage's input gets its gradient back. ``dtype``
+    (mixed precision): a floating input is cast to the dtype the graph computes in first."""
+    if dtype is not None and x.is_floating_point() and x.dtype != dtype:
+        x = x.to(dtype)
     replicated = DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, placements(spec))
+
+
+def compute_copy(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight's working copy in the mixed-precision compute dtype: each rank casts its own
+    shard (no communication), so gathers planned after it move ``dtype`` bytes; backward casts
+    the gradient back onto the fp32 master. An expert weight living on its owner keeps saying
+    where it lives (:data:`OWNED_ATTR`)."""
+    if not param.is_floating_point() or param.dtype == dtype:
+        return param
+    copy = param.to(dtype)
+    if hasattr(param, OWNED_ATTR):
+        setattr(copy, OWNED_ATTR, getattr(param, OWNED_ATTR))
+    return copy
 
 
 def redistribute(x: DTensor, mesh, spec: str) -> DTensor:

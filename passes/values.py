@@ -16,15 +16,17 @@ def real_values(captured: Captured, example_inputs=None, parameters: bool = Fals
     if example_inputs is not None:
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
         for spec, value in zip(captured.inputs, inputs):
-            if _holds_values(value):
-                real[spec.name] = value.detach().cpu()
+            if _holds_values(value):  # in the dtype the graph computes in (mixed precision casts)
+                real[spec.name] = value.detach().cpu().to(getattr(torch, spec.dtype))
     if parameters:
         state = captured.program.state_dict
         constants = getattr(captured.program, "constants", {})
+        graph_dtype = {n.name: n.meta["val"].dtype for n in captured.graph.nodes
+                       if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
         for placeholder, fqn in {**captured.parameter_of, **captured.buffer_of}.items():
             value = state.get(fqn, constants.get(fqn))
-            if _holds_values(value):
-                real[placeholder] = value.detach().cpu()
+            if _holds_values(value):  # a master parameter as the graph computes with it
+                real[placeholder] = value.detach().cpu().to(graph_dtype.get(placeholder, value.dtype))
     return real
 
 

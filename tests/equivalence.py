@@ -52,7 +52,8 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     if fraction is not None:  # squeeze memory below the unconstrained plan's footprint to force sharding
         limit = [None]
         if dist.get_rank() == 0:
-            ample = autopar.plan(model, inputs, cluster=options["cluster"], mesh_shape=options.get("mesh_shape"))
+            ample = autopar.plan(model, inputs, cluster=options["cluster"], mesh_shape=options.get("mesh_shape"),
+                                 mixed_precision=options.get("mixed_precision"))
             limit[0] = int(fraction * ample.memory.total_bytes)
         dist.broadcast_object_list(limit, src=0)
         options["memory_limit"] = limit[0]
@@ -62,10 +63,11 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     assert set(params) == set(ref_params), set(params) ^ set(ref_params)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_forward = reference if "mixed_precision" not in options else under_policy(reference, options["mixed_precision"])
     errors = {"output": 0.0, "loss": 0.0, "grad": 0.0, "param": 0.0, "param_flat": 0.0}
     largest_grad = {name: torch.zeros_like(ref_params[name]) for name in params}  # per element, over steps
     for _ in range(steps):
-        out, ref_out = pmodel(*inputs), reference(*inputs)
+        out, ref_out = pmodel(*inputs), ref_forward(*inputs)
         loss, ref_loss = out.float().square().mean(), ref_out.float().square().mean()
         loss.backward()
         ref_loss.backward()
@@ -80,6 +82,7 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
                 continue
             if ref_grad is not None:
                 errors["grad"] = max(errors["grad"], (grad - ref_grad).abs().max().item())
+                errors["grad_scale"] = max(errors.get("grad_scale", 0.0), ref_grad.abs().max().item())
                 largest_grad[name] = torch.maximum(largest_grad[name], ref_grad.abs())
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
@@ -93,6 +96,9 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
             if part.numel() and part.max().item() > errors[key]:
                 errors[key], errors[key + "_worst"] = part.max().item(), name
     errors["placements"] = sorted({str(tuple(p.placements)) for p in params.values()})
+    errors["output_dtype"] = str(out.dtype).removeprefix("torch.")
+    errors["master_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()})
+    errors["compute_copies"] = pmodel.code.count("compute_copy(")
     errors["redistributes"] = pmodel.code.count("redistribute(")
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
     # experts placed in a balanced order (passes.expert_order): each weight's owner, and the orders
@@ -110,6 +116,19 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
             stored = _full(p.detach())
             errors["row_orders"][name] = (order, (stored - ref_params[name].detach()[order]).abs().max().item())
     return errors
+
+
+def under_policy(model: torch.nn.Module, precision: str):
+    """``model``'s forward as FSDP2's MixedPrecisionPolicy runs it on one process: its fp32
+    parameters (the masters the optimizer steps) cast to the compute dtype, floating inputs
+    cast, gradients flowing back onto the fp32 parameters."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+    def forward(*inputs):
+        weights = {name: p.to(dtype) if p.is_floating_point() else p for name, p in model.named_parameters()}
+        cast = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+        return torch.func.functional_call(model, weights, cast)
+    return forward
 
 
 def assert_equivalent(cases: list, results: list, bound=lambda case, key: 1e-5) -> set[str]:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import autopar
 import models
 from autopar.passes.runtime import full_value
+from equivalence import under_policy
 
 
 def token_loss(out, target):
@@ -38,6 +39,7 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     batches = [(torch.randint(0, vocab, (batch, 16), generator=g), torch.randint(0, vocab, (batch, 16), generator=g))
                for _ in range(steps)]
     options = options or {"pipeline": True, "micro_batches": micro_batches, "schedule": schedule}
+    forward = reference if "mixed_precision" not in options else under_policy(reference, options["mixed_precision"])
     pmodel = autopar.parallelize(model, (batches[0][0],), cluster=cluster_path, loss_fn=token_loss, **options)
     ref_params = dict(reference.named_parameters())
     own = dict(pmodel.named_parameters())
@@ -49,7 +51,7 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "output": 0.0}
     for x, y in batches:
         loss = pmodel.step(x, target=y)
-        ref_loss = token_loss(reference(x), y)
+        ref_loss = token_loss(forward(x), y)
         ref_loss.backward()
         errors["loss"] = max(errors["loss"], (loss - ref_loss.detach()).abs().item())
         for name, p in own.items():
@@ -63,7 +65,7 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     for name, p in own.items():
         errors["param"] = max(errors["param"], (full_value(p).detach() - ref_params[name].detach()).abs().max().item())
     with torch.no_grad():
-        errors["output"] = (pmodel(batches[0][0]) - reference(batches[0][0])).abs().max().item()
+        errors["output"] = (pmodel(batches[0][0]) - forward(batches[0][0])).abs().max().item()
     errors["sliced"] = float("send_slice(" in pmodel.code or "receive_slice(" in pmodel.code)
     errors = _max_over_ranks(errors)
     covered = [None] * dist.get_world_size()

@@ -24,9 +24,10 @@ def autopar(*args, cwd=HERE):
 
 def test_plan_factory_json_and_show(tmp_path):
     out = tmp_path / "plan.json"
-    done = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(out), "--json")
+    done = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(out), "--json", "--precision", "bf16")
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
+    assert summary["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     for key in ("schema_version", "status", "plan_time_s", "predicted_step_s", "devices", "mesh", "stages",
                 "peak_memory_bytes", "memory_limit_bytes", "baselines", "parameters", "solver"):
         assert key in summary, key
@@ -37,13 +38,15 @@ def test_plan_factory_json_and_show(tmp_path):
     assert shown.returncode == 0, shown.stderr
     again = json.loads(shown.stdout)
     assert again["predicted_step_s"] == summary["predicted_step_s"]
+    assert again["mixed_precision"] == summary["mixed_precision"]
     assert again["imbalance"] == {"time": 1.0, "memory": 1.0}  # one mesh: every device runs the same program
     top = again["top_nodes"]["by_time"]
     assert len(top) == 5 and top[0]["compute_s"] + top[0]["reshard_s"] >= top[-1]["compute_s"] + top[-1]["reshard_s"]
     assert [g["layers"] for g in again["layers"]] == ["layers.0", "layers.1", "layers.2"] or \
         any("-" in g["layers"] for g in again["layers"])
     table = autopar("show", str(out))
-    for heading in ("memory per device", "plan vs baselines", "parameter placements per layer",
+    for heading in ("mixed precision: compute, activations and weight gathers in bfloat16", "memory per device",
+                    "plan vs baselines", "parameter placements per layer",
                     "top 5 nodes by time", "top 5 nodes by memory", "parameters by placement"):
         assert heading in table.stdout, heading
 

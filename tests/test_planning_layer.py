@@ -52,9 +52,9 @@ def test_the_model_is_captured_once_per_batch_size(monkeypatch):
     seen = []
     real = graphs_module.capture
 
-    def counting(model, inputs):
+    def counting(model, inputs, compute_dtype=None):
         seen.append(inputs[0].shape[0])
-        return real(model, inputs)
+        return real(model, inputs, compute_dtype)
 
     monkeypatch.setattr(graphs_module, "capture", counting)
     model, inputs = _gpt()

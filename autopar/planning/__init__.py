@@ -22,13 +22,15 @@ from autopar.planning.graphs import ModelGraphs
 from autopar.planning.one_mesh import OneMesh, mesh_search
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import PipelineStages
+from autopar.planning.precision import Precision
 from autopar.planning.replicas import ReplicaGroups
+from autopar.planning.throughput import step_work
 
 log = logging.getLogger(__name__)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (OneMesh(), PipelineStages(), ReplicaGroups())}
 
-__all__ = ["FAMILIES", "Family", "ModelGraphs", "PlanOptions", "choose", "lower_plan"]
+__all__ = ["FAMILIES", "Family", "ModelGraphs", "PlanOptions", "Precision", "choose", "lower_plan"]
 
 
 def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
@@ -71,7 +73,7 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
         raise error
     best = min(found.values(), key=lambda p: p.predicted_step_s)
     baselines = best.baselines if best.family == "one_mesh" else _baselines(graphs, cluster, options)
-    best = dataclasses.replace(best, baselines=baselines, families=entries,
+    best = dataclasses.replace(best, baselines=baselines, families=entries, work=step_work(graphs.full, cluster),
                                timings={**best.timings, "plan_s": time.perf_counter() - start,
                                         "capture_s": graphs.capture_s})
     return _with_symbolic_costs(best, graphs, cluster) if options.symbolic else best

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from autopar.passes.capture import Captured, capture, normalize_inputs
@@ -25,10 +26,12 @@ log = logging.getLogger(__name__)
 class ModelGraphs:
     """``model`` on ``example_inputs`` (the global batch), captured on demand at any number of
     leading rows. The full batch is captured at construction, so an untraceable model fails
-    at once. ``sparsity``: access densities of sparse tables (see :func:`autopar.plan`)."""
+    at once. ``sparsity``: access densities of sparse tables (see :func:`autopar.plan`);
+    ``compute_dtype``: the dtype a mixed-precision policy computes in (None: the model's own)."""
 
-    def __init__(self, model: nn.Module, example_inputs, sparsity: dict[str, float] | None = None) -> None:
-        self.model, self.sparsity = model, sparsity
+    def __init__(self, model: nn.Module, example_inputs, sparsity: dict[str, float] | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
+        self.model, self.sparsity, self.compute_dtype = model, sparsity, compute_dtype
         self._at_rows: dict[int, Captured] = {}
         self._derived: dict[Any, Any] = {}
         start = time.perf_counter()
@@ -52,7 +55,7 @@ class ModelGraphs:
         return self._derived[key]
 
     def _capture(self, inputs) -> Captured:
-        captured = capture(self.model, inputs)
+        captured = capture(self.model, inputs, self.compute_dtype)
         annotate_lookups(captured, inputs, self.sparsity)
         annotate_experts(captured, inputs)
         return captured

@@ -282,7 +282,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         incident.setdefault(producer, []).append((problem.edges[k], True))
         incident.setdefault(consumer, []).append((problem.edges[k], False))
     nodes, parameters, buffers = {}, {}, {}
-    memory = {"param": table_excess, "act": 0}
+    memory = {"param": table_excess, "act": 0, "working": 0}
     states = options.optimizer_states
     for node in captured.graph.nodes:
         q = index.node_of.get(node.name)
@@ -296,6 +296,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
             exchange = "reduce_scatter" if any(p.is_shard for p in chosen.outputs[0]) else "allreduce"
             parameters[fqn] = ParameterPlan(format_spec(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
             memory["param"] += problem.node_memory[q][choice]
+            memory["working"] += index.working[q][choice] if q in index.working else 0
         elif kind == "buffer":
             buffers[captured.buffer_of[node.name]] = format_spec(chosen.outputs[0])
         elif kind in ("op", "input"):
@@ -321,7 +322,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     experts = expert_layers(captured, parameters, nodes, mesh)
     sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
     compute_total = problem.compute(solution.choice)
-    per_copy = memory["param"] // (2 + states)
+    per_copy = (memory["param"] - memory["working"]) // (2 + states)  # master weights, gradients, each state
     return Plan(
         fingerprint=captured.fingerprint,
         cluster=cluster.plan_header(),
@@ -329,7 +330,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         nodes=nodes, parameters=parameters, buffers=buffers,
         predicted_step_s=step_s if step_s is not None else solution.objective_s, predicted_compute_s=compute_total,
         predicted_comm_s=(step_s if step_s is not None else solution.objective_s) - compute_total,
-        memory=MemoryBreakdown(per_copy, per_copy, per_copy * states, memory["act"]),
+        memory=MemoryBreakdown(per_copy + memory["working"], per_copy, per_copy * states, memory["act"]),
         solver={"name": options.solver, "status": solution.status, "method": solution.method,
                 "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.errors import AutoparError, ErrorKind
+from autopar.planning.precision import Precision
 from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
@@ -42,6 +43,7 @@ class PlanOptions:
     configuration: str | None = None
     sparsity: dict[str, float] | None = field(default=None, hash=False)
     symbolic: bool = False
+    mixed_precision: Precision | None = None  # checked by Precision.of where the user's value comes in
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -53,6 +55,9 @@ class PlanOptions:
         if self.schedule not in SCHEDULES:
             raise AutoparError(ErrorKind.BAD_INPUT,
                                f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, Precision):
+            raise AutoparError(ErrorKind.BAD_INPUT, "PlanOptions.mixed_precision takes a Precision; convert the "
+                               "user's policy with Precision.of(policy)")
         if self.pipeline and self.replicas:
             raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
 
@@ -64,6 +69,14 @@ class PlanOptions:
         """True when the caller forces ``family``, False when they rule it out, else None."""
         return {"pipeline": self.pipeline, "replicas": self.replicas}.get(family)
 
+    @property
+    def compute_dtype(self):
+        """The dtype the model computes in under the policy; None: its own dtypes."""
+        return None if self.mixed_precision is None else self.mixed_precision.compute_dtype
+
     def recorded(self) -> dict[str, Any]:
-        """The options a plan records (``plan.options``)."""
-        return {"optimizer": self.optimizer}
+        """The options a plan records (``plan.options``); lowering reads the precision back."""
+        recorded: dict[str, Any] = {"optimizer": self.optimizer}
+        if self.mixed_precision is not None:
+            recorded["mixed_precision"] = self.mixed_precision.to_plan()
+        return recorded

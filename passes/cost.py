@@ -9,11 +9,13 @@ Time on a device (roofline with efficiency factors):
         + per-op overhead
 where ``eff(class)`` is the fraction of that roofline the device reaches on the op's class
 (matmul, conv, pool, reduction, elementwise; ``autopar profile`` measures it, 1 when unknown).
-Attention is decomposed at capture, so it is costed as its matmuls and its softmax.
+Fused attention (``F.scaled_dot_product_attention``) stays one op (passes.decompose), its
+FLOPs from :func:`attention_flops`; attention written as matmuls and a softmax is costed as those.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ COST_KEY = "autopar.cost"
 # op classes whose kernels reach different fractions of the roofline (DeviceSpec.efficiency)
 _CLASS_OF_OP = {
     **dict.fromkeys(("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_int_mm"), "matmul"),
+    "scaled_dot_product_attention": "attention",
     **dict.fromkeys(("convolution", "convolution_backward", "_convolution", "conv1d", "conv2d", "conv3d"), "conv"),
     **dict.fromkeys(("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices", "max_pool3d_with_indices",
                      "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool2d", "_adaptive_avg_pool2d",
@@ -82,6 +85,29 @@ def is_view_op(node: torch.fx.Node) -> bool:
                 and not schema.returns[0].alias_info.is_write)
 
 
+FUSED_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_ATTENTION_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def attention_args(node: torch.fx.Node) -> tuple:
+    """(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) of a fused
+    attention node, positional or keyword, defaults filled in (tensors as fx nodes)."""
+    given = dict(zip(_ATTENTION_ARGS, node.args))
+    given.update(node.kwargs)
+    return tuple(given.get(name, default) for name, default in zip(_ATTENTION_ARGS, _ATTENTION_DEFAULTS))
+
+
+def attention_flops(query, key, value, is_causal: bool = False) -> float:
+    """FLOPs of fused attention's forward: the scores (2·B·H·L·S·E) and their product with the
+    values (2·B·H·L·S·Ev), half of both under a causal mask (the kernel skips the masked
+    blocks). Arguments are fx nodes or tensors (query (B, H, L, E), key (B, Hk, S, E))."""
+    q, k, v = (a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in (query, key, value))
+    *batch, heads, length, dim = q.shape
+    pairs = math.prod(batch) * heads * length * k.shape[-2]
+    return 2.0 * pairs * (dim + v.shape[-1]) * (0.5 if is_causal else 1.0)
+
+
 def annotate_costs(graph: torch.fx.Graph) -> None:
     """Attach an OpCost to every call_function node."""
     for node in graph.nodes:
@@ -92,7 +118,9 @@ def annotate_costs(graph: torch.fx.Graph) -> None:
         view = is_view_op(node)
         flops = 0.0
         packet = getattr(node.target, "overloadpacket", None)
-        if packet in flop_registry:
+        if node.target is FUSED_ATTENTION:
+            flops = attention_flops(*attention_args(node)[:3], is_causal=attention_args(node)[5])
+        elif packet in flop_registry:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
             flops = float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
         read = sum(tensor_bytes(v) for v in in_vals if isinstance(v, torch.Tensor))

@@ -7,8 +7,11 @@ the core-ATen table, the result is cached by (op, argument shapes/strides/dtypes
 arguments) and spliced into the graph in place of the node. Layers after the first cost a
 dictionary lookup per node.
 
-The graph comes out as ``run_decompositions()`` would produce it (same ops in the same order,
-checked by tests/test_decompose.py on every test model). Programs this splice cannot treat
+The graph comes out as ``run_decompositions(decomposition_table())`` would produce it (same
+ops in the same order, checked by tests/test_decompose.py on every test model). Fused
+attention (``aten.scaled_dot_product_attention``) stays one op: decomposed, it would hold
+B·H·T² scores per layer that the fused kernel never materialises (passes.strategies plans it
+split by batch and heads; the lowered program calls the fused kernel on each shard). Programs this splice cannot treat
 exactly — in-place ops or mutated inputs (which need functionalization), higher-order ops,
 constants created inside a decomposition — take ``run_decompositions()``.
 """
@@ -26,6 +29,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
+KEPT_FUSED = {torch.ops.aten.scaled_dot_product_attention.default}  # ops that stay as the model wrote them
+
 # node.meta entries a decomposed node inherits from the node it replaces
 _INHERITED_META = ("nn_module_stack", "stack_trace", "torch_fn", "source_fn_stack", "from_node")
 
@@ -37,26 +42,34 @@ class _NeedsFullRetrace(Exception):
 def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Core-ATen version of ``program`` (the input program is modified in place when possible)."""
     if not _spliceable(program):
-        return program.run_decompositions()
+        return program.run_decompositions(decomposition_table())
     graph = program.graph_module.graph
     placeholders = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode([v for v in placeholders if isinstance(v, torch.Tensor)])
     if fake_mode is None:
-        return program.run_decompositions()
+        return program.run_decompositions(decomposition_table())
     table = core_aten_decompositions()
     cache: dict = {}
     try:
         for node in list(graph.nodes):
-            if node.op == "call_function" and node.target is not operator.getitem:
+            if node.op == "call_function" and node.target is not operator.getitem and node.target not in KEPT_FUSED:
                 _splice(graph, node, cache, table, fake_mode)
     except _NeedsFullRetrace as why:  # every splice so far is exact: the graph is still valid
         log.info("decomposing by full retrace: %s", why)
         program.graph_module.recompile()
-        return program.run_decompositions()
+        return program.run_decompositions(decomposition_table())
     graph.eliminate_dead_code()
     program.graph_module.recompile()
     log.debug("decomposed %d distinct op signatures", len(cache))
     return program
+
+
+def decomposition_table() -> dict:
+    """torch.export's default decompositions to core ATen, less the fused ops we keep."""
+    table = torch.export.default_decompositions()
+    for op in KEPT_FUSED:
+        table.pop(op, None)
+    return table
 
 
 def _spliceable(program: torch.export.ExportedProgram) -> bool:

@@ -39,6 +39,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured, compute_dtype_of
+from autopar.passes.cost import FUSED_ATTENTION
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.expert_order import Relabel, apply_relabel
@@ -304,6 +305,11 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             node.target = runtime.sparse_embedding
         elif nplan.exchange == TABLE_WISE:  # its table lives on its owner: fused below with the others
             table_wise.append(node)
+        elif node.target is FUSED_ATTENTION:  # the fused kernel on each device's sequences or heads
+            traced = node.meta.get("val")
+            like = (tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None
+            node.args = (mesh_node, nplan.outputs[0], like, *node.args)
+            node.target = runtime.local_attention
         elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
@@ -333,7 +339,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
-                  runtime.table_wise_lookups, runtime.dispatch_experts}
+                  runtime.table_wise_lookups, runtime.dispatch_experts, runtime.local_attention}
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

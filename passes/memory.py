@@ -16,8 +16,9 @@ freed once its consumers have run (a transient, not part of the steady footprint
 
 A view keeps its base alive, so a kept view marks its producer kept. This is what lets the
 decomposed attention count two (B, H, T, T) tensors per layer (the softmax result for its
-own backward, the masked probabilities the second bmm saves) instead of every one of them. Not modelled yet: the peak of transients, recomputation
-(activation checkpointing), fused attention kernels that keep no (T, T) tensor at all.
+own backward, the masked probabilities the second bmm saves) instead of every one of them. Fused attention keeps its
+inputs and output, no (T, T) tensor. Not modelled yet: the peak of transients, recomputation
+(activation checkpointing).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ _KEEPS_NOTHING = {
 }
 _KEEPS_OUTPUT = {"_softmax", "_log_softmax", "exp", "tanh", "sigmoid", "sqrt", "rsqrt"}
 _KEEPS_FIRST = {"where"}
+# fused attention saves its inputs, its output and the (B, H, L) log-sum-exp of the scores
+# (not counted: 1/E of the output's elements); never the (L, S) scores themselves
+_KEEPS_INPUTS_AND_OUTPUT = {"scaled_dot_product_attention"}
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -70,6 +74,10 @@ def annotate_saved(graph: torch.fx.Graph) -> None:
             continue  # comparisons, masks, index math: no gradient flows, nothing is saved
         if name in _KEEPS_OUTPUT:
             kept.add((node.name, 0))
+        elif name in _KEEPS_INPUTS_AND_OUTPUT:
+            kept.add((node.name, 0))
+            for arg in tensor_args(node):
+                keep(arg)
         elif name in _KEEPS_FIRST:
             keep(tensor_args(node)[0])
         elif name not in _KEEPS_NOTHING and not is_view_op(node):

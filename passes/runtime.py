@@ -52,6 +52,15 @@ def redistribute(x: DTensor, mesh, spec: str) -> DTensor:
     target = placements(spec)
     if tuple(x.placements) == target:
         return x
+    # A collective's backward hands the gradient back labelled with the input's strides but laid
+    # out as the collective makes it (gathered: contiguous; sliced: a strided piece); the views
+    # traced in front of the input then fail on it whenever the two disagree (a head split of a
+    # projection, permuted; a column shard). Reshard a contiguous copy, and take the gradient
+    # back contiguous too.
+    if not x.to_local().is_contiguous():
+        x = x.contiguous()
+    if x.requires_grad and not any(p.is_partial() for p in x.placements):
+        x = _contiguous_grad(x)
     if any(p.is_partial() and p != q for p, q in zip(target, x.placements)):
         # Replicate→Partial (a replicated bias into a row-parallel matmul): public redistribute
         # refuses it ("internal use only"); the autograd function behind it supports it.
@@ -59,6 +68,14 @@ def redistribute(x: DTensor, mesh, spec: str) -> DTensor:
         options = {"op_dtype": dtype, "out_dtype": dtype}
         return Redistribute.apply(x, mesh, target, False, {**options, "backward_options": dict(options)})
     return x.redistribute(mesh, target)
+
+
+def _contiguous_grad(x: DTensor) -> DTensor:
+    """``x`` unchanged; its gradient comes back with a contiguous local piece. (Partial inputs
+    are left alone: their gradient is replicated, and this wrapper's backward would convert it
+    to ``x``'s placements.)"""
+    local = _GradInLayout.apply(x.to_local(), _dim_order(x.to_local()))
+    return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def replicate_constant(x, mesh):
@@ -94,6 +111,58 @@ def local_call(op, mesh, *args, **kwargs):
         local[i] = local[i].clone()
     out = op(*local, **tree_map(unwrap, kwargs))
     return tree_map(lambda t: replicate_constant(t, mesh), out)
+
+
+def local_attention(mesh, spec: str, traced: tuple[tuple, tuple] | None, query, key, value, attn_mask=None,
+                    dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> DTensor:
+    """Fused attention on this device's shard: the plan splits it only by batch or by heads
+    (passes.strategies), where each device's piece is attention of its own sequences or
+    heads, so the fused kernel runs locally and nothing is communicated, forward or backward.
+    Returns the output placed ``spec`` with the ``traced`` (shape, stride) and its local piece
+    laid out in the same dim order: the kernel chosen here may lay it out otherwise, and the
+    graph's views after it were traced on that layout."""
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    q, k, v = (_GradInLayout.apply(local(t), _dim_order(t)) if t.requires_grad else local(t)
+               for t in (query, key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=local(attn_mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa)
+    if traced is None:
+        return DTensor.from_local(out, mesh, placements(spec), run_check=False)
+    shape, stride = traced
+    out = _in_layout(out, tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d))))
+    return DTensor.from_local(out, mesh, placements(spec), run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _dim_order(x: torch.Tensor) -> tuple[int, ...]:
+    """``x``'s dims in memory order, outermost first."""
+    return tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), d)))
+
+
+def _in_layout(x: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
+    """``x`` with its memory in dim order ``layout`` (a copy only when it is not already)."""
+    if _dim_order(x) == tuple(layout):
+        return x
+    return x.permute(layout).contiguous().permute(inverse_order(list(layout)))
+
+
+class _GradInLayout(torch.autograd.Function):
+    """Identity; the gradient goes back in memory order ``layout`` — the strides its DTensor
+    claims (``to_local``'s backward gives the gradient the forward DTensor's strides). The
+    fused kernel's backward picks its own layout, and the views in front of it (a head split
+    is a view of the projection) only work on gradients laid out as their DTensor says."""
+
+    @staticmethod
+    def forward(ctx, x, layout):
+        ctx.layout = layout
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _in_layout(grad, ctx.layout), None
 
 
 def send_slice(x: torch.Tensor, lanes, dim: int) -> torch.Tensor:

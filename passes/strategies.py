@@ -42,6 +42,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.utils._pytree import tree_flatten
 
 from autopar import placements as pl
+from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,8 @@ def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tupl
         return [((p,), (p,)) for p in leaf_candidates(val, partial=True)]
     if not ins:  # factory ops (arange, full, …) produce replicated constants
         return [(tuple(pl.R if isinstance(v, torch.Tensor) else None for v in outs), ())]
+    if node.target is FUSED_ATTENTION:
+        return _attention_rules(node)
     prop = DTensor._op_dispatcher.sharding_propagator
     if not _backward_supported(node.target, prop):
         return None
@@ -181,6 +184,24 @@ def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tupl
     all_r = (tuple(pl.R if isinstance(v, torch.Tensor) else None for v in outs), (pl.R,) * len(ins))
     rules.add(all_r)
     return sorted(rules, key=lambda r: (r != all_r, r))
+
+
+def _attention_rules(node: torch.fx.Node) -> list[tuple[tuple, tuple]]:
+    """Fused attention on one mesh dim: replicated, split by batch (dim 0), or split by heads
+    (dim 1 of 4-D query, key, value and output; key and value heads must split evenly too, so
+    grouped-query heads stay with their queries). A mask splits along with them where it has
+    those dims, else it is replicated. Every split is exact: each device runs the fused kernel
+    on its own sequences or heads (runtime.local_attention). DTensor's own rules cover only the
+    CUDA kernels; these hold for every device."""
+    query, *_rest = attention_args(node)
+    ins = tensor_args(node)
+    mask = ins[3].meta["val"] if len(ins) > 3 else None
+    rules = [((pl.R,), (pl.R,) * len(ins))]
+    for dim in (0, 1) if query.meta["val"].dim() == 4 else (0,):
+        split = pl.Shard(dim)
+        mask_p = () if mask is None else (split if mask.dim() == 4 and mask.shape[dim] > 1 else pl.R,)
+        rules.append(((split,), (split, split, split, *mask_p)))
+    return rules
 
 
 def _has_rule(op, prop) -> bool:

@@ -99,6 +99,7 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["output_dtype"] = str(out.dtype).removeprefix("torch.")
     errors["master_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()})
     errors["compute_copies"] = pmodel.code.count("compute_copy(")
+    errors["fused_attention"] = pmodel.code.count("local_attention(")
     errors["redistributes"] = pmodel.code.count("redistribute(")
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
     # experts placed in a balanced order (passes.expert_order): each weight's owner, and the orders

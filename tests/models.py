@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,44 @@ class Block(nn.Module):
 
     def feed_forward(self, x):
         return self.out(F.gelu(self.fc(x)))
+
+
+class ExplicitAttentionBlock(Block):
+    """The same block with attention written out as softmax(q·kᵀ/√d)·v (no fused kernel)."""
+
+    def attention(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(c // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention (``heads`` query heads sharing ``kv_heads`` key/value heads)
+    through the fused kernel: causal, or with a padding mask of shape (B, 1, 1, T)."""
+
+    def __init__(self, d: int = 32, heads: int = 4, kv_heads: int = 2, causal: bool = True, mask: bool = False) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.causal, self.mask = heads, kv_heads, causal, mask
+        self.q = nn.Linear(d, d)
+        self.kv = nn.Linear(d, 2 * kv_heads * (d // heads))
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        e = c // self.heads
+        q = self.q(x).view(b, t, self.heads, e).transpose(1, 2)
+        k, v = (z.view(b, t, self.kv_heads, e).transpose(1, 2) for z in self.kv(x).split(self.kv_heads * e, dim=2))
+        mask = None
+        if self.mask:  # the last position of every other sequence is padding
+            keep = torch.ones(b, 1, 1, t, dtype=torch.bool, device=x.device)
+            mask = keep.index_fill(3, torch.tensor([t - 1], device=x.device), False) | (
+                torch.arange(b, device=x.device) % 2 == 0).view(b, 1, 1, 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, enable_gqa=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
 class GPT(nn.Module):

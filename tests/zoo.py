@@ -4,8 +4,7 @@ no downloads) for the model-zoo tests and benchmarks/model_zoo.py.
 Settings each family needs (recorded here, as the torch-2.13 notes ask):
   * causal LMs: ``use_cache=False`` — otherwise forward returns a DynamicCache, which
     torch.export cannot put in a graph output;
-  * GPT-2: ``attn_implementation="eager"`` — in eval mode its SDPA path fails decomposition
-    ("Cannot view a tensor with shape … and strides …"), as run_decompositions() does;
+  * attention: every family's default (SDPA), which autopar keeps fused (passes.decompose);
   * T5: decoder ids are a keyword argument, so a wrapper passes them;
   * Mixtral: ``_experts_implementation="batched_mm"`` — the default grouped_mm is an opaque
     custom op that fails under fake tensors;
@@ -89,7 +88,7 @@ def _build(name: str):
 
     if name == "gpt2":
         cfg = T.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False,
-                           bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                           bos_token_id=0, eos_token_id=0)
         return Wrapped(T.GPT2LMHeadModel(cfg), ("input_ids",), "logits"), (_tokens(),)
     if name == "llama":
         cfg = T.LlamaConfig(**_small(num_key_value_heads=2, use_cache=False))

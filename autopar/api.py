@@ -26,7 +26,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
          schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
          configuration: str | None = None, sparsity: dict[str, float] | None = None,
-         symbolic: bool = False, mixed_precision=None) -> Plan:
+         symbolic: bool = False, mixed_precision=None, recompute: str = "auto") -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -48,6 +48,9 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``"bf16"``,
     ``"fp16"``, ``"fp32"``) with FSDP2's meaning: compute, activations and weight gathers in
     ``param_dtype``, fp32 master weights, gradients and optimizer states.
+    ``recompute``: activation checkpointing — ``"auto"`` recomputes every layer in backward
+    (``torch.utils.checkpoint``) only when no plan keeping every activation fits, ``"full"``
+    always, ``"none"`` never.
     """
     from autopar.planning import ModelGraphs, PlanOptions, Precision, choose
 
@@ -55,7 +58,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     options = PlanOptions(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, mesh_shape=mesh_shape,
                           cluster_layers=cluster_layers, pipeline=pipeline, micro_batches=micro_batches,
                           schedule=schedule, replicas=replicas, batch_split=batch_split, configuration=configuration,
-                          sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision))
+                          sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision), recompute=recompute)
     return choose(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), target, options)
 
 

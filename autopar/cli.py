@@ -119,6 +119,7 @@ def summary_json(plan) -> dict:
         "memory_limit_bytes": [limit] * plan.num_devices,
         "mixed_precision": plan.options.get("mixed_precision"),  # {"param_dtype", "reduce_dtype"} or None
         **throughput(plan),  # tokens_per_s_per_device (None: not a token model), predicted_mfu
+        "recompute": plan.recompute,  # {layer: "full"} for layers recomputed in backward; {} for none
         "family": plan.family,  # which planning family made it: one_mesh, pipeline, replicas
         "families": plan.families,  # what each family tried predicted (or why it did not apply)
         "baselines": plan.baselines,  # hand-written configurations on this cluster
@@ -198,7 +199,8 @@ def _plan_for_cli(autopar, args, model, inputs):
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
                         batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None,
-                        symbolic=bool(args.batch_size), mixed_precision=args.precision)
+                        symbolic=bool(args.batch_size), mixed_precision=args.precision,
+                        recompute=args.recompute)
 
 
 def _cmd_show(args) -> int:
@@ -315,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=float, help="bytes per device")
     p.add_argument("--solver", default="cpsat")
     p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
+                   help="activation checkpointing of every layer: auto = only when nothing fits otherwise")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")

@@ -20,7 +20,8 @@ from rich.console import Console
 from autopar.placements import divided_over, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
-    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, schedule_spans, throughput_line)
+    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
+    throughput_line)
 from autopar.units import format_bytes, format_seconds
 
 _COLORS = {"replicated": "#9aa5b1", "sharded": "#2f80ed", "partial": "#f2994a", "no tensor": "#dddddd"}
@@ -99,7 +100,8 @@ def render(plan: Plan) -> str:
             f"(compute {format_seconds(plan.predicted_compute_s)}, communication "
             f"{format_seconds(plan.predicted_comm_s)}); imbalance (max/mean over devices): busy time "
             f"{spread['time']:.2f}, memory {spread['memory']:.2f}</p>",
-            f"<p>{html.escape(precision_line(plan))}; {html.escape(throughput_line(plan))}</p>",
+            f"<p>{html.escape(precision_line(plan))}; {html.escape(throughput_line(plan))}; "
+            f"{html.escape(recompute_line(plan))}</p>",
             "<h2>Memory per device</h2><table><tr><th>device</th><th>use</th><th>total</th><th></th></tr>"]
     for label, m in _memory_rows(plan):
         parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),

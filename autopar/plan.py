@@ -229,6 +229,9 @@ class Plan:
     # samples_per_step, tokens_per_step (None unless the first input is token ids),
     # peak_flops_per_s (every device's datasheet peak in that dtype), devices
     work: dict[str, Any] = field(default_factory=dict)
+    # activation checkpointing: layer -> "full" (recomputed whole in backward; passes.recompute);
+    # empty when every activation is kept
+    recompute: dict[str, str] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -305,7 +308,7 @@ class Plan:
                 replicas=tuple(ReplicaPlan.from_json(r) for r in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
-                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}),
+                symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}), recompute=d.get("recompute", {}),
                 family=d["family"],
                 families=d["families"], schema_version=version,
             )

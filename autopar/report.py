@@ -25,6 +25,7 @@ def summary(plan: Plan) -> str:
                   f"{format_seconds(plan.predicted_compute_s)} + communication {format_seconds(plan.predicted_comm_s)}")
     console.print(precision_line(plan))
     console.print(throughput_line(plan))
+    console.print(recompute_line(plan))
     memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
                    "memory per device in the largest replica's plan, and time" if plan.replicas else
                    f"memory per device, and time (all {plan.num_devices} devices run the same program)")
@@ -203,6 +204,15 @@ def throughput_line(plan: Plan) -> str:
     per = f"{tokens:,.0f} tokens/s per device, " if tokens else ""
     return (f"predicted {per}MFU {100 * rates['predicted_mfu']:.1f}% "
             f"({plan.work['flops_per_step']:.3g} FLOPs per step in {plan.work['flops_dtype']})")
+
+
+def recompute_line(plan: Plan) -> str:
+    """Which layers run their forward again in backward (activation checkpointing)."""
+    if not plan.recompute:
+        return "recompute: none (every activation kept for backward)"
+    layers = list(plan.recompute)
+    named = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} … {layers[-1]}"
+    return f"recompute: {len(layers)} layers checkpointed whole ({named}): forward again in backward"
 
 
 def precision_line(plan: Plan) -> str:

@@ -45,6 +45,7 @@ from autopar.passes.sparse import (
     table_owners, table_wise_tables)
 from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
+from autopar.passes.stages import layer_order, node_layer
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, leaf_candidates, output_vals,
     tensor_args, work_split)
@@ -70,7 +71,8 @@ class ProblemIndex:
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
-                  symbolic: bool = False, tables_whole: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
+                  symbolic: bool = False, tables_whole: bool = False,
+                  recompute: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -81,7 +83,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     lookups have table-wise twins (passes.sparse.add_table_wise). A table-wise table counts
     1/n of its bytes on each of the n devices of its dim (owners spread the tables; the
     planner checks the owners it picks, :func:`table_wise_by_owners`), or with ``tables_whole``
-    all of them on every device (a bound that holds whatever the owners)."""
+    all of them on every device (a bound that holds whatever the owners). ``recompute``: every
+    layer is checkpointed whole (passes.recompute): its nodes run forward twice and keep only
+    what leaves the layer, plus, counted once, the activations of one layer while it reruns."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -89,6 +93,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     tables = table_wise_tables(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     working: dict[int, list[int]] = {}
+    recomputed: dict[int, tuple[list[int], list[int], bool]] = {}
+    first_layer: dict[str, str] = {}  # ModuleList -> its first layer (the rerun buffer is counted on it)
+    if recompute:
+        for layer in layer_order(graph):
+            first_layer.setdefault(layer.rsplit(".", 1)[0], layer)
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
 
@@ -118,7 +127,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             cost = [0.0] * len(options)
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]
-            factor = 3 if node.name in grad_nodes else 1
+            layer = node_layer(node) if recompute else None  # a layer run again in backward
+            factor = (3 if node.name in grad_nodes else 1) + (layer is not None)
             op_cost = node.meta[COST_KEY]
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
             cost = [factor * timed.time_s(device, work_split(s, mesh.shape)) + _exchange_s(node, s, mesh, device)
@@ -128,6 +138,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             mem = [0 if op_cost.is_view else activation_copies * sum(
                 tensor_bytes(v) // _shards(p, mesh.shape) for v, p, keep in zip(outs, s.outputs, saved)
                 if keep and p is not None and isinstance(v, torch.Tensor)) for s in options]
+            if layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
+                leaves = [0 if op_cost.is_view or not _leaves(node, layer) else activation_copies * sum(
+                    tensor_bytes(v) // _shards(p, mesh.shape) for v, p in zip(outs, s.outputs)
+                    if p is not None and isinstance(v, torch.Tensor)) for s in options]
+                recomputed[len(names)] = (leaves, mem, layer == first_layer.get(layer.rsplit(".", 1)[0]))
         else:
             continue
         position[node.name] = len(names)
@@ -141,6 +156,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     for name, rep in repeated.items():
         position[name] = position[rep]
         counts[position[rep]] += 1
+    for q, (leaves, whole, buffer) in recomputed.items():  # one layer's worth, over its copies
+        memory[q] = [kept + (full // counts[q] if buffer else 0) for kept, full in zip(leaves, whole)]
 
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
@@ -185,6 +202,17 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, working)
+
+
+def _leaves(node: torch.fx.Node, layer: str) -> bool:
+    """Whether a value of ``node`` is read outside ``layer`` (through getitems too): a
+    checkpointed layer keeps exactly those."""
+    for user in node.users:
+        if user.op != "call_function" or (node_layer(user) != layer and user.target is not operator.getitem):
+            return True
+        if user.target is operator.getitem and _leaves(user, layer):
+            return True
+    return False
 
 
 def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: int, nbytes):

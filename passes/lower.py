@@ -42,6 +42,7 @@ from autopar.passes.capture import Captured, compute_dtype_of
 from autopar.passes.cost import FUSED_ATTENTION
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
+from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
 from autopar.passes.grad_sync import GradientSync
@@ -58,6 +59,8 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) ->
                            f"captures as {captured.fingerprint}); re-plan this model")
     gm = captured.program.module()
     lower_module(gm, [spec.name for spec in plan.inputs], plan, mesh, model, captured)
+    if plan.recompute:
+        checkpoint_layers(gm, set(plan.recompute))
     return gm
 
 

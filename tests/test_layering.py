@@ -57,7 +57,7 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
     "build_problem", "sparse", "stack_experts", "stages", "strategies", "symbolic", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "materialize")} | {"autopar.parallel"}
+                                            "runtime", "materialize", "recompute")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "cli", "report", "html_report", "profile")}
 RUNTIME = {"autopar.passes.runtime", "autopar.parallel"}  # what a training step calls
 

@@ -30,6 +30,7 @@ from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers
+from autopar.passes.stages import layer_order
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.build_problem import (
@@ -50,7 +51,16 @@ class OneMesh:
         return None  # any cluster is one mesh (mixed devices run at the slowest one's pace)
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
-        return mesh_search(graphs, cluster, options).best()
+        """The best plan keeping every activation; when none fits (``recompute="auto"``), the
+        best with every layer recomputed in backward — the memory it frees costs a forward."""
+        try:
+            return mesh_search(graphs, cluster, options).best()
+        except AutoparError as exc:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or options.recompute != "auto" or \
+                    not layer_order(graphs.full.graph):
+                raise
+            log.info("no plan keeps every activation: trying with every layer recomputed")
+            return mesh_search(graphs, cluster, dataclasses.replace(options, recompute="full")).best()
 
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from torch.distributed.device_mesh import init_device_mesh
@@ -107,7 +117,8 @@ class MeshSearch:
 
     def _problem(self, mesh: MeshSpec, tables_whole: bool = False):
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
-                             self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole)
+                             self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
+                             recompute=self.options.recompute == "full")
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:
@@ -341,6 +352,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
                 "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
+        recompute=dict.fromkeys(layer_order(captured.graph), "full") if options.recompute == "full" else {},
         experts=experts, comm_bytes=sent, timings=timings,
     )
 

@@ -22,6 +22,7 @@ from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
 SCHEDULES = ("1F1B", "GPipe")
+RECOMPUTE = ("auto", "none", "full")
 # hand-written configurations a person would write: costed beside every plan
 CONFIGURATIONS = tuple({**BASELINES, **BASELINES_2D})
 
@@ -44,6 +45,7 @@ class PlanOptions:
     sparsity: dict[str, float] | None = field(default=None, hash=False)
     symbolic: bool = False
     mixed_precision: Precision | None = None  # checked by Precision.of where the user's value comes in
+    recompute: str = "auto"  # "none", "full" (every layer checkpointed), "auto" (full only when nothing fits)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -58,6 +60,9 @@ class PlanOptions:
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, Precision):
             raise AutoparError(ErrorKind.BAD_INPUT, "PlanOptions.mixed_precision takes a Precision; convert the "
                                "user's policy with Precision.of(policy)")
+        if self.recompute not in RECOMPUTE:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"unknown recompute {self.recompute!r}; choose one of "
+                               f"{', '.join(RECOMPUTE)}")
         if self.pipeline and self.replicas:
             raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
 

@@ -67,7 +67,9 @@ class PipelineStages:
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """The best pipeline plan over ``cluster.groups()``. Sparse tables and MoE experts are
-        planned inside their stage as on one mesh (touched rows and expert loads per micro-batch)."""
+        planned inside their stage as on one mesh (touched rows and expert loads per micro-batch).
+        Stages keep their activations (recomputation inside stages is not lowered yet)."""
+        options = dataclasses.replace(options, recompute="none")
         groups = cluster.groups()
         start = time.perf_counter()
         best, tried, smallest = None, [], None

@@ -70,6 +70,7 @@ class ReplicaGroups:
         return groups_unavailable(cluster, options)
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
+        options = dataclasses.replace(options, recompute="none")  # replicas keep their activations for now
         batch = leading_batch(graphs.inputs, "replicas")
         groups = cluster.groups()
         start = time.perf_counter()

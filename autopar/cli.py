@@ -317,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=float, help="bytes per device")
     p.add_argument("--solver", default="cpsat")
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--recompute", choices=("auto", "none", "full"), default="auto",
-                   help="activation checkpointing of every layer: auto = only when nothing fits otherwise")
+    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
+                   help="activation checkpointing of every layer (selective: cheap ops only); auto: the first of "
+                        "none, selective, full that fits")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")

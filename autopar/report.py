@@ -212,7 +212,9 @@ def recompute_line(plan: Plan) -> str:
         return "recompute: none (every activation kept for backward)"
     layers = list(plan.recompute)
     named = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} … {layers[-1]}"
-    return f"recompute: {len(layers)} layers checkpointed whole ({named}): forward again in backward"
+    mode = next(iter(plan.recompute.values()))
+    what = "whole" if mode == "full" else "but their matmul and attention outputs"
+    return f"recompute ({mode}): {len(layers)} layers ({named}) rerun in backward, {what}"
 
 
 def precision_line(plan: Plan) -> str:

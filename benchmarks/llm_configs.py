@@ -7,8 +7,8 @@ Models are Hugging Face Llama shapes on the meta device (no weights), bf16 mixed
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), AdamW, fused attention.
 For each configuration: autopar's own plan, and the hand-written FSDP configuration costed
 by the same model (``configuration="fsdp"``), which is what torchtitan runs. Columns:
-feasible, mesh, a placement summary, recomputation (whole layers, chosen when nothing fits
-without), predicted
+feasible, mesh, a placement summary, recomputation (selective or whole layers, chosen when
+nothing fits without), predicted
 memory per device, tokens/s per GPU and MFU, planning seconds; then torchtitan's published
 figure for the same setup where one exists (docs/performance.md of torchtitan; the 8 × H100
 96 GB run is FSDP + bf16 + selective activation checkpointing, the others differ as noted).
@@ -91,7 +91,8 @@ def run(name: str) -> list[dict]:
                                 time_limit_s=120, **extra)
             rates = throughput(plan)
             row.update(feasible=True, mesh=list(plan.mesh_shape), placements=summary(plan),
-                       recompute=f"full ({len(plan.recompute)} layers)" if plan.recompute else "none",
+                       recompute=f"{next(iter(plan.recompute.values()))} ({len(plan.recompute)} layers)"
+                       if plan.recompute else "none",
                        memory_gib=round(plan.memory.total_bytes / 2 ** 30, 2),
                        tokens_per_s_per_gpu=round(rates["tokens_per_s_per_device"] or 0),
                        mfu=round(100 * rates["predicted_mfu"], 1), step_s=round(plan.predicted_step_s, 3))

@@ -51,6 +51,7 @@ from autopar.passes.strategies import (
     tensor_args, work_split)
 
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
+SAVED_CLASSES = ("matmul", "attention")  # what selective recomputation keeps (passes.recompute saves them)
 OUTPUT = "<output>"
 
 
@@ -72,7 +73,7 @@ class ProblemIndex:
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
                   symbolic: bool = False, tables_whole: bool = False,
-                  recompute: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
+                  recompute: str | None = None) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -83,9 +84,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     lookups have table-wise twins (passes.sparse.add_table_wise). A table-wise table counts
     1/n of its bytes on each of the n devices of its dim (owners spread the tables; the
     planner checks the owners it picks, :func:`table_wise_by_owners`), or with ``tables_whole``
-    all of them on every device (a bound that holds whatever the owners). ``recompute``: every
-    layer is checkpointed whole (passes.recompute): its nodes run forward twice and keep only
-    what leaves the layer, plus, counted once, the activations of one layer while it reruns."""
+    all of them on every device (a bound that holds whatever the owners). ``recompute="full"``:
+    every layer is checkpointed whole (passes.recompute): its nodes run forward twice and keep only
+    what leaves the layer, plus, counted once, the activations of one layer while it reruns;
+    ``"selective"``: the same, except that matmul and attention outputs are kept and not
+    recomputed (torchtitan's op-level selective checkpointing)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -127,9 +130,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             cost = [0.0] * len(options)
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]
-            layer = node_layer(node) if recompute else None  # a layer run again in backward
-            factor = (3 if node.name in grad_nodes else 1) + (layer is not None)
             op_cost = node.meta[COST_KEY]
+            layer = node_layer(node) if recompute else None  # a layer run again in backward
+            stored = layer is not None and recompute == "selective" and op_cost.op_class in SAVED_CLASSES
+            factor = (3 if node.name in grad_nodes else 1) + (layer is not None and not stored)
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
             cost = [factor * timed.time_s(device, work_split(s, mesh.shape)) + _exchange_s(node, s, mesh, device)
                     for s in options]
@@ -138,7 +142,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             mem = [0 if op_cost.is_view else activation_copies * sum(
                 tensor_bytes(v) // _shards(p, mesh.shape) for v, p, keep in zip(outs, s.outputs, saved)
                 if keep and p is not None and isinstance(v, torch.Tensor)) for s in options]
-            if layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
+            if stored:  # selective: matmul and attention outputs kept as without recomputation
+                recomputed[len(names)] = (mem, mem, False)
+            elif layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
                 leaves = [0 if op_cost.is_view or not _leaves(node, layer) else activation_copies * sum(
                     tensor_bytes(v) // _shards(p, mesh.shape) for v, p in zip(outs, s.outputs)
                     if p is not None and isinstance(v, torch.Tensor)) for s in options]

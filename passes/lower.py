@@ -60,7 +60,7 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) ->
     gm = captured.program.module()
     lower_module(gm, [spec.name for spec in plan.inputs], plan, mesh, model, captured)
     if plan.recompute:
-        checkpoint_layers(gm, set(plan.recompute))
+        checkpoint_layers(gm, plan.recompute)
     return gm
 
 

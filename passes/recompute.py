@@ -2,7 +2,9 @@
 
 A plan that recomputes (``plan.recompute``: layer -> "full") keeps, of each such layer, only
 what leaves it (the next layer's input) and runs the layer's forward again in backward — the
-memory model of passes.build_problem. Here the lowered graph gets it: each layer's span of
+memory model of passes.build_problem; "selective" keeps the outputs of matmuls and attention
+as well and recomputes only the cheap ops between them (torchtitan's op-level selective
+checkpointing, through ``create_selective_checkpoint_contexts``). Here the lowered graph gets it: each layer's span of
 nodes (its ops and the collectives lowering inserted among them) becomes a small GraphModule,
 called through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Parameters
 stay attributes of the lowered module (they enter the span as arguments), so their names and
@@ -11,23 +13,39 @@ the optimizer's view of them do not change.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.passes.stages import node_layer
 
 SPAN_PREFIX = "_autopar_recompute_"
+aten = torch.ops.aten
+# what selective recomputation keeps: the ops of passes.build_problem.SAVED_CLASSES as they
+# reach the dispatcher (the fused attention kernels of every device)
+KEPT_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_attention_math.default}
 
 
-def checkpointed(layer: torch.nn.Module, *args):
-    """``layer(*args)`` whose activations are recomputed in backward instead of kept."""
+def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpointed(mode: str, layer: torch.nn.Module, *args):
+    """``layer(*args)`` whose activations are recomputed in backward instead of kept: all of
+    them (``mode`` "full") or all but matmul and attention outputs ("selective")."""
+    if mode == "selective":
+        return checkpoint(layer, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, _keep_matmuls))
     return checkpoint(layer, *args, use_reentrant=False)
 
 
-def checkpoint_layers(gm: torch.fx.GraphModule, layers: set[str]) -> None:
-    """Wrap the span of every layer in ``layers`` (in place)."""
+def checkpoint_layers(gm: torch.fx.GraphModule, layers: dict[str, str]) -> None:
+    """Wrap the span of every layer in ``layers`` (layer -> "full" | "selective"), in place."""
     graph = gm.graph
     order = list(graph.nodes)
     spans: dict[str, list[int]] = {}
@@ -37,12 +55,12 @@ def checkpoint_layers(gm: torch.fx.GraphModule, layers: set[str]) -> None:
             spans.setdefault(layer, [k, k])[1] = k
     for count, (layer, (first, last)) in enumerate(spans.items()):
         region = [n for n in order[first:last + 1] if n.op == "call_function"]
-        _wrap(gm, region, f"{SPAN_PREFIX}{count}")
+        _wrap(gm, region, f"{SPAN_PREFIX}{count}", layers[layer])
     graph.lint()
     gm.recompile()
 
 
-def _wrap(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -> None:
+def _wrap(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str, mode: str) -> None:
     members = set(region)
     inputs: list[torch.fx.Node] = []
     for node in region:
@@ -60,7 +78,7 @@ def _wrap(gm: torch.fx.GraphModule, region: list[torch.fx.Node], name: str) -> N
     with graph.inserting_after(region[-1]):
         span = graph.get_attr(name)
     with graph.inserting_after(span):
-        call = graph.call_function(checkpointed, (span, *inputs))
+        call = graph.call_function(checkpointed, (mode, span, *inputs))
     anchor = call
     for k, node in enumerate(outputs):
         with graph.inserting_after(anchor):

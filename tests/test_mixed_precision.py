@@ -219,3 +219,17 @@ def test_bf16_pipeline_stages_and_replica_groups(world, cluster, options):
     assert errors["grad"] <= 5e-3 and errors["param"] <= 5e-3 and errors["output"] <= 0.1, errors
     assert errors["all_params_covered"], errors
     assert (len(errors["stages"]) == 2) if "pipeline" in options else (errors["batch_split"] == [4, 4]), errors
+
+
+@pytest.mark.distributed
+def test_bf16_equivalence_of_transformers_llama_with_its_default_attention():
+    """Hugging Face Llama (grouped-query, rotary, RMSNorm) through its default sdpa path,
+    kept fused, under bf16 mixed precision on 2 ranks; sharded by a memory limit."""
+    pytest.importorskip("transformers")
+    import zoo
+
+    name, kwargs, kind, batch, options, dtype, steps = zoo.equivalence_case("llama", 2)
+    cases = [(name, kwargs, kind, batch, {**options, "mixed_precision": "bf16"}, dtype, steps)]
+    results = run_world(2, run_cases, cases)
+    _check(cases, results)
+    assert results[0]["fused_attention"] == 2  # both layers' attention runs the fused kernel

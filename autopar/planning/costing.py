@@ -70,7 +70,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     annotate_saved(captured.graph)
     annotate_strategies(captured, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                   symbolic=symbolic, recompute=bool(plan.recompute))
+                                   symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None))
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

@@ -52,15 +52,24 @@ class OneMesh:
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """The best plan keeping every activation; when none fits (``recompute="auto"``), the
-        best with every layer recomputed in backward — the memory it frees costs a forward."""
+        best recomputing the cheap ops of every layer (selective), and then whole layers (full):
+        the memory each frees costs more forward work, so the first that fits is the fastest."""
         try:
             return mesh_search(graphs, cluster, options).best()
         except AutoparError as exc:
             if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or options.recompute != "auto" or \
                     not layer_order(graphs.full.graph):
                 raise
-            log.info("no plan keeps every activation: trying with every layer recomputed")
-            return mesh_search(graphs, cluster, dataclasses.replace(options, recompute="full")).best()
+            error = exc
+        for mode in ("selective", "full"):
+            log.info("no plan fits: trying with every layer recomputed (%s)", mode)
+            try:
+                return mesh_search(graphs, cluster, dataclasses.replace(options, recompute=mode)).best()
+            except AutoparError as exc:
+                if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                    raise
+                error = exc
+        raise error
 
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from torch.distributed.device_mesh import init_device_mesh
@@ -118,7 +127,7 @@ class MeshSearch:
     def _problem(self, mesh: MeshSpec, tables_whole: bool = False):
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
-                             recompute=self.options.recompute == "full")
+                             recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None)
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:
@@ -352,7 +361,8 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
                 "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
-        recompute=dict.fromkeys(layer_order(captured.graph), "full") if options.recompute == "full" else {},
+        recompute=dict.fromkeys(layer_order(captured.graph), options.recompute)
+        if options.recompute in ("full", "selective") else {},
         experts=experts, comm_bytes=sent, timings=timings,
     )
 

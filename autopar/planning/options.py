@@ -22,7 +22,7 @@ from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
 SCHEDULES = ("1F1B", "GPipe")
-RECOMPUTE = ("auto", "none", "full")
+RECOMPUTE = ("auto", "none", "selective", "full")
 # hand-written configurations a person would write: costed beside every plan
 CONFIGURATIONS = tuple({**BASELINES, **BASELINES_2D})
 
@@ -45,7 +45,9 @@ class PlanOptions:
     sparsity: dict[str, float] | None = field(default=None, hash=False)
     symbolic: bool = False
     mixed_precision: Precision | None = None  # checked by Precision.of where the user's value comes in
-    recompute: str = "auto"  # "none", "full" (every layer checkpointed), "auto" (full only when nothing fits)
+    # "none"; "selective" (every layer's cheap ops recomputed, matmuls and attention kept);
+    # "full" (every layer recomputed whole); "auto": the first of none, selective, full that fits
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:

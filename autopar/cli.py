@@ -123,7 +123,11 @@ def summary_json(plan) -> dict:
         "family": plan.family,  # which planning family made it: one_mesh, pipeline, replicas
         "families": plan.families,  # what each family tried predicted (or why it did not apply)
         "baselines": plan.baselines,  # hand-written configurations on this cluster
-        "parameters": {fqn: {"placement": p.placement, "exchange": p.exchange} for fqn, p in plan.parameters.items()},
+        # optimizer_state: where the master weight, gradient and optimizer states live (ZeRO-2: split
+        # while the parameter is used replicated; else its placement)
+        "parameters": {fqn: {"placement": p.placement, "exchange": p.exchange,
+                             "optimizer_state": p.optimizer_state or p.placement}
+                       for fqn, p in plan.parameters.items()},
         "solver": {"status": plan.solver["status"].lower(), "objective": plan.solver["objective_s"],
                    "bound": plan.solver["bound_s"], "solve_s": plan.timings.get("solve_s") if plan.timings else None,
                    "variables": plan.solver.get("variables")},

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from rich.console import Console
 
-from autopar.placements import divided_over, parse_spec
+from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
     experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
@@ -36,7 +36,7 @@ def _kind(placement: str | None) -> str:
     if not placement:
         return "no tensor"
     spec = parse_spec(placement)
-    if divided_over(spec, [2] * len(spec)) > 1:  # split, or each tensor on its owner (O) / rows dispatched (D)
+    if any(divides(p) for p in spec):
         return "sharded"
     return "partial" if any(p.is_partial for p in spec) else "replicated"
 

@@ -218,10 +218,15 @@ def split_over(spec: Iterable[Placement], mesh_shape: Iterable[int], tensor_dim:
     return math.prod(size for size, p in zip(mesh_shape, spec) if p.is_shard and p.dim == tensor_dim)
 
 
+def divides(placement: Placement) -> bool:
+    """Whether a mesh dim placed so divides a tensor's bytes among its devices: ``Shard``,
+    ``Owned`` (each tensor of the group on one of them) or ``Dispatched`` (rows split)."""
+    return placement.is_shard or placement is O or placement is D
+
+
 def divided_over(spec: Iterable[Placement], mesh_shape: Iterable[int]) -> int:
-    """Devices a tensor's bytes are divided over: its ``Shard`` dims, and ``Owned`` (each
-    tensor of the group on one of them) or ``Dispatched`` (rows split) dims."""
-    return math.prod(size for p, size in zip(spec, mesh_shape) if p.is_shard or p is O or p is D)
+    """Devices a tensor's bytes are divided over (the product of the dims that divide it)."""
+    return math.prod(size for p, size in zip(spec, mesh_shape) if divides(p))
 
 
 def index_of(spec: Iterable[Placement], placement: Placement) -> Optional[int]:

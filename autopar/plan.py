@@ -97,11 +97,25 @@ class ParameterPlan:
     # all-to-all; no gradient collective for "O" weights) or "expert_tensor_parallel" (each
     # expert's hidden dim split)
     exchange: str
+    # where its master weight, gradient and optimizer states live: the placement itself, or for
+    # ZeRO-2 split further (the parameter is used as ``placement``, gathered once per step);
+    # None in plans from before ZeRO (read as ``placement``)
+    optimizer_state: str | None = None
 
     @property
     def spec(self) -> pl.Spec:
         """The placement as a value (one per mesh dim)."""
         return pl.parse_spec(self.placement)
+
+    @property
+    def state_spec(self) -> pl.Spec:
+        """Where the master weight, gradient and optimizer states live, as a value."""
+        return pl.parse_spec(self.optimizer_state or self.placement)
+
+    @property
+    def zero(self) -> bool:
+        """Whether it is a ZeRO-2 parameter (states placed apart from its use)."""
+        return self.optimizer_state is not None and self.optimizer_state != self.placement
 
 
 @dataclass(frozen=True)
@@ -326,6 +340,8 @@ def _check_placements(plan: Plan, source: str) -> None:
     """Every placement the plan holds reads as one placement per mesh dim (a hand-edited file
     fails here, naming the field, not deep inside lowering)."""
     where = [(f"parameter {fqn}", p.placement) for fqn, p in plan.parameters.items()]
+    where += [(f"parameter {fqn} optimizer_state", p.optimizer_state) for fqn, p in plan.parameters.items()
+              if p.optimizer_state is not None]
     where += [(f"buffer {name}", text) for name, text in plan.buffers.items()]
     for name, node in plan.nodes.items():
         where += [(f"node {name} output {k}", text) for k, text in enumerate(node.outputs) if text is not None]

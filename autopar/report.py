@@ -61,14 +61,17 @@ def summary(plan: Plan) -> str:
                           format_seconds(row["reshard_s"]), format_bytes(row["memory_bytes"]))
         console.print(table)
     params = Table(title="parameters by placement")
-    for column in ("placement", "gradient sync", "count", "bytes", "examples"):
+    zero = any(p.zero for p in plan.parameters.values())  # a column for where states live, when apart
+    for column in ("placement", *(("optimizer states",) if zero else ()), "gradient sync", "count", "bytes",
+                   "examples"):
         params.add_column(column)
-    groups: dict[tuple[str, str], list[str]] = {}
+    groups: dict[tuple[str, str, str], list[str]] = {}
     for fqn, p in plan.parameters.items():
-        groups.setdefault((p.placement, p.exchange), []).append(fqn)
-    for (placement, exchange), names in sorted(groups.items()):
+        groups.setdefault((p.placement, p.optimizer_state or p.placement, p.exchange), []).append(fqn)
+    for (placement, state, exchange), names in sorted(groups.items()):
         size = sum(plan.parameters[n].bytes for n in names)
-        params.add_row(placement, exchange, str(len(names)), format_bytes(size), ", ".join(names[:3]))
+        states = (state if state == placement else f"{state} (ZeRO-2)",) if zero else ()
+        params.add_row(placement, *states, exchange, str(len(names)), format_bytes(size), ", ".join(names[:3]))
     console.print(params)
     if plan.sparse:
         console.print(sparse_table(plan))

@@ -73,7 +73,9 @@ def build(shape: str) -> torch.nn.Module:
 
 
 def summary(plan) -> str:
-    counts = collections.Counter(p.placement for p in plan.parameters.values())
+    """The three commonest placements; a ZeRO-2 parameter as ``use / optimizer states``."""
+    counts = collections.Counter(f"{p.placement} / {p.optimizer_state}" if p.zero else p.placement
+                                 for p in plan.parameters.values())
     return ", ".join(f"{k}×{v}" for k, v in counts.most_common(3))
 
 

@@ -23,7 +23,6 @@ Costs of one training step, per device:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import operator
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import placements as pl
-from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.comm import all_to_all_s
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
 from autopar.problem import Edge, ShardingProblem
@@ -40,8 +39,10 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
+from autopar.passes.reshard_cost import reshard_s, unit_links
+from autopar.passes.node_memory import ParameterBytes, kept_bytes, leaving_bytes, parameter_bytes, zero_twins
 from autopar.passes.sparse import (
-    LOOKUP_KEY, TABLE_WISE, UNIT_LINK, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
+    LOOKUP_KEY, TABLE_WISE, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
     table_owners, table_wise_tables)
 from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
@@ -65,15 +66,14 @@ class ProblemIndex:
     node_of: dict[str, int]  # every graph node name (copies included) -> problem node
     edge_of: dict[tuple[str, str, int], int]  # graph edge (producer, consumer, arg) -> problem edge
     fallback: list[bool]  # op runs replicated for lack of a DTensor rule
-    # mixed precision: parameter node -> bytes of its compute-dtype working copy per strategy
-    # (included in the node's memory beside the fp32 master, gradient and optimizer states)
-    working: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # parameter node -> its bytes per strategy by kind (master, gradient, states, working copy)
+    parameter_memory: dict[int, list[ParameterBytes]] = dataclasses.field(default_factory=dict)
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
                   symbolic: bool = False, tables_whole: bool = False,
-                  recompute: str | None = None) -> tuple[ShardingProblem, ProblemIndex]:
+                  recompute: str | None = None, zero: bool = True) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -95,7 +95,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     members = expert_members(graph)
     tables = table_wise_tables(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
-    working: dict[int, list[int]] = {}
+    parameter_memory: dict[int, list[ParameterBytes]] = {}
     recomputed: dict[int, tuple[list[int], list[int], bool]] = {}
     first_layer: dict[str, str] = {}  # ModuleList -> its first layer (the rerun buffer is counted on it)
     if recompute:
@@ -117,16 +117,17 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                     [s.outputs[0] for s in options], members[node.name][1], mesh.shape)]
             if node.name in tables:  # a table may live whole on one device of a dim (table-wise)
                 options += [Strategy((p,), ()) for p in owned_table_options(mesh.shape)]
-            copies = 2 + states if kind == "param" else activation_copies if kind == "input" else 1
-            divisors = [1 if tables_whole and node.name in tables and pl.O in s.outputs[0]
-                        else _shards(s.outputs[0], mesh.shape) for s in options]
-            master_itemsize = captured.master_itemsize.get(node.name) if kind == "param" else None
-            if master_itemsize:  # mixed precision: fp32 master, gradient, states + the working copy
-                master = val.numel() * master_itemsize
-                working[len(names)] = [tensor_bytes(val) // k for k in divisors]
-                mem = [copies * master // k + w for k, w in zip(divisors, working[len(names)])]
+            if kind == "param":
+                if zero:  # ZeRO-2: used as placed, master, gradient and states split further
+                    options += zero_twins(options, val, mesh.shape)
+                whole = tables_whole and node.name in tables
+                held = [parameter_bytes(val, s, mesh.shape, states, captured.master_itemsize.get(node.name),
+                                        1 if whole and pl.O in s.outputs[0] else None) for s in options]
+                parameter_memory[len(names)] = held
+                mem = [h.total for h in held]
             else:
-                mem = [copies * tensor_bytes(val) // k for k in divisors]
+                copies = activation_copies if kind == "input" else 1
+                mem = [copies * tensor_bytes(val) // _shards(s.outputs[0], mesh.shape) for s in options]
             cost = [0.0] * len(options)
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]
@@ -137,17 +138,14 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
             cost = [factor * timed.time_s(device, work_split(s, mesh.shape)) + _exchange_s(node, s, mesh, device)
                     for s in options]
-            outs = output_vals(node)
             saved = node.meta[SAVED_KEY]
-            mem = [0 if op_cost.is_view else activation_copies * sum(
-                tensor_bytes(v) // _shards(p, mesh.shape) for v, p, keep in zip(outs, s.outputs, saved)
-                if keep and p is not None and isinstance(v, torch.Tensor)) for s in options]
+            mem = [0 if op_cost.is_view else kept_bytes(node, s, saved, mesh.shape, activation_copies)
+                   for s in options]
             if stored:  # selective: matmul and attention outputs kept as without recomputation
                 recomputed[len(names)] = (mem, mem, False)
             elif layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
-                leaves = [0 if op_cost.is_view or not _leaves(node, layer) else activation_copies * sum(
-                    tensor_bytes(v) // _shards(p, mesh.shape) for v, p in zip(outs, s.outputs)
-                    if p is not None and isinstance(v, torch.Tensor)) for s in options]
+                leaves = [0 if op_cost.is_view else leaving_bytes(node, s, layer, mesh.shape, activation_copies)
+                          for s in options]
                 recomputed[len(names)] = (leaves, mem, layer == first_layer.get(layer.rsplit(".", 1)[0]))
         else:
             continue
@@ -207,18 +205,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
-    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, working)
-
-
-def _leaves(node: torch.fx.Node, layer: str) -> bool:
-    """Whether a value of ``node`` is read outside ``layer`` (through getitems too): a
-    checkpointed layer keeps exactly those."""
-    for user in node.users:
-        if user.op != "call_function" or (node_layer(user) != layer and user.target is not operator.getitem):
-            return True
-        if user.target is operator.getitem and _leaves(user, layer):
-            return True
-    return False
+    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory)
 
 
 def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: int, nbytes):
@@ -353,26 +340,24 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
-    src_keys = [s.outputs[out_index] for s in src_options]
+    # a parameter's ZeRO-2 twin is its own class: same use, its gradient goes elsewhere
+    src_keys = [(s.outputs[out_index], s.state or s.outputs[out_index]) for s in src_options]
     dst_keys = [(t.inputs[arg], _split_mask(t) if not (_syncs_table(t) and arg == 0) else ()) for t in dst_options]
     src_classes = sorted(set(src_keys))
     dst_classes = sorted(set(dst_keys))
     accepted = {v for v, _ in dst_classes}
-    cost = [[None if follow and u in accepted and v != u
-              else reshard_s(u, v, split, nbytes, needs_grad, mesh, regather, sync_nbytes)
-              for (v, split) in dst_classes] for u in src_classes]
+
+    def time(u: tuple, v: pl.Spec, split: tuple[bool, ...], on: MeshSpec) -> float | None:
+        state = u[1] if u[1] != u[0] else None
+        return reshard_s(u[0], v, split, nbytes, needs_grad, on, regather, sync_nbytes, state)
+
+    cost = [[None if follow and u[0] in accepted and v != u[0] else time(u, v, split, mesh)
+             for (v, split) in dst_classes] for u in src_classes]
 
     def volume(u: int, v: int) -> float:  # the same collectives on a link of 1 byte/s: their bytes
-        return reshard_s(src_classes[u], dst_classes[v][0], dst_classes[v][1], nbytes, needs_grad, unit_links(mesh),
-                         regather, sync_nbytes) or 0.0
+        return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], unit_links(mesh)) or 0.0
     return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
                 volume=volume)
-
-
-@functools.lru_cache(maxsize=64)
-def unit_links(mesh: MeshSpec) -> MeshSpec:
-    """``mesh`` with every link at 1 byte/s and no latency: a collective's time is its volume."""
-    return dataclasses.replace(mesh, links=(UNIT_LINK,) * len(mesh.shape))
 
 
 def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
@@ -405,61 +390,3 @@ def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
     if first is None:
         return ()
     return tuple(p is not pl.R for p in first)
-
-
-@functools.lru_cache(maxsize=1 << 18)
-def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
-              needs_grad: bool, mesh: MeshSpec, regather: bool = False, sync_nbytes=None) -> float | None:
-    """Forward (+ backward) time to turn placement ``src`` into ``dst``; None if impossible.
-
-    ``regather`` (parameter edges): a sharded parameter gathered for use is gathered again for
-    backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and a
-    gradient that only needs all-reduces (a replicated parameter's partial sums) joins one
-    flat buffer with the others (passes.grad_sync.sync_grads), so its latency term is dropped;
-    ``sync_nbytes`` is that gradient's size there when it differs from the edge's (mixed
-    precision all-reduces the fp32 master gradient).
-    """
-    forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
-    if forward is None or not needs_grad:
-        return forward
-    grad = tuple(b if b.is_shard or b is pl.O or b is pl.D else (pl.P if split and split[d] and b is pl.R else pl.R)
-                 for d, b in enumerate(dst))
-    want = tuple(pl.R if a.is_partial else a for a in src)
-    bucketed = regather and all(g is w or (g is pl.P and w is pl.R) for g, w in zip(grad, want))
-    links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
-    total = forward + _sequential_s(grad, want, sync_nbytes if bucketed and sync_nbytes else nbytes, mesh, links)
-    if regather:
-        total += _sequential_s(tuple(a if a.is_shard else pl.R for a in src),
-                               tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)
-                                     for a, b in zip(src, dst)), nbytes, mesh, mesh.links)
-    return total
-
-
-def _sequential_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec, links) -> float | None:
-    """Convert one mesh dim at a time, innermost first; each collective moves the tensor
-    as currently sharded on the other dims (a 2-D all-gather costs ¼ + ½ of the bytes)."""
-    current = list(src)
-    total = 0.0
-    for d in reversed(range(len(src))):
-        others = math.prod(size for k, (p, size) in enumerate(zip(current, mesh.shape))
-                           if k != d and p.is_shard)
-        step = _transition_s(current[d], dst[d], nbytes / others, mesh.shape[d], links[d])
-        if step is None:
-            return None
-        total += step
-        current[d] = dst[d]
-    return total
-
-
-def _transition_s(a: pl.Placement, b: pl.Placement, nbytes: float, n: int, link) -> float | None:
-    if a is b:
-        return 0.0
-    if a is pl.O or b is pl.O or a is pl.D or b is pl.D:
-        return None  # an owned expert weight only feeds its stack; dispatched ids only their gathers
-    if a is pl.R and (b is pl.P or b.is_shard):
-        return 0.0  # local: slice, or keep the value on one rank and zeros elsewhere (R→P)
-    if b.is_partial:
-        return None
-    if a.is_shard:
-        return all_gather_s(nbytes, n, link) if b is pl.R else all_to_all_s(nbytes, n, link)
-    return all_reduce_s(nbytes, n, link) if b is pl.R else reduce_scatter_s(nbytes, n, link)

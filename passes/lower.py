@@ -46,6 +46,7 @@ from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
 from autopar.passes.grad_sync import GradientSync
+from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
 from autopar.passes.stack_experts import expert_members, owner
 
@@ -75,9 +76,13 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     needed where not every rank lowers this mesh (pipeline stages)."""
     _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate, owner_meshes)
     setattr(gm, MESH_ATTR, mesh)
+    gathers = WeightGathers()
+    setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
     gm.recompile()
+    if any(n.op == "call_method" and n.target == "gather" for n in gm.graph.nodes):
+        install(gm, gathers)
 
 
 def _relabel_experts(gm: torch.fx.GraphModule, plan: Plan) -> None:
@@ -104,7 +109,7 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     # tied weights (an LM head sharing the embedding): export keeps one of the names, the
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
     alias_of = captured.aliases
-    placed: dict[str, tuple[str, str]] = {}  # alias name -> (planned fqn, placement)
+    placed: dict[str, tuple[str, tuple[str, str]]] = {}  # alias -> (planned fqn, (placement, optimizer state))
     gradient_sync = GradientSync()
     owned = {name for name, _ in gm.named_parameters(remove_duplicate=False)}  # a stage holds only its own
     for fqn, pplan in plan.parameters.items():
@@ -112,18 +117,20 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
             continue
         if fqn in placed:
             first, placement = placed[fqn]
-            if placement != pplan.placement:
+            if placement != (pplan.placement, pplan.optimizer_state or pplan.placement):
                 raise AutoparError(
                     ErrorKind.UNSUPPORTED_OP,
                     f"tied parameters {first} and {fqn} (one tensor) were captured as two inputs and planned "
-                    f"with different placements ({placement} vs {pplan.placement}); planning tied weights "
+                    f"with different placements ({placement[0]} vs {pplan.placement}, optimizer states "
+                    f"{placement[1]} vs {pplan.optimizer_state}); planning tied weights "
                     "as one is not supported yet: untie them, or plan with mesh_shape=(1,) for now")
             continue
-        placed.update({name: (fqn, pplan.placement) for name in alias_of.get(fqn, [fqn])})
+        placed.update({name: (fqn, (pplan.placement, pplan.optimizer_state or pplan.placement))
+                       for name in alias_of.get(fqn, [fqn])})
         owner, attr = _owner(gm, fqn)
         original = getattr(owner, attr)
         full = source[fqn].detach() if fqn in source else original.detach()
-        placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.spec)
+        placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.state_spec)
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
         if pl.owned_dim(pplan.spec) is not None:
             setattr(param, runtime.OWNED_ATTR, placer.owned(fqn, pplan.spec))
@@ -230,7 +237,7 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
             if fqn not in wanted:
                 continue
             pplan = plan.parameters.get(fqn)
-            value = placer(fqn, full.detach(), pplan.spec if pplan else replicated)
+            value = placer(fqn, full.detach(), pplan.state_spec if pplan else replicated)
             for name in aliases.get(fqn, (fqn,)):
                 placed[name] = value
     return placed
@@ -259,7 +266,9 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     with graph.inserting_before(first), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the mesh is a plain attribute, not a tensor
         mesh_node = graph.get_attr(MESH_ATTR)
+        gathers = graph.get_attr(WEIGHT_GATHERS_ATTR)
     produced: dict[str, str | None] = {}  # node name -> placement it carries at run time
+    weights: set[str] = set()  # parameters, their compute copies and views: gathered ones are resharded
     compute_dtype = compute_dtype_of(plan)  # mixed precision: weights and inputs cast for compute
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
     for node, name in zip(user_inputs, input_names, strict=True):
@@ -272,11 +281,19 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
-        if node.op == "get_attr" and node.name != mesh_node.name:
-            produced[node.name] = plan.parameters[node.target].placement if node.target in plan.parameters else replicated
-            if compute_dtype is not None and node.target in plan.parameters:
-                new = _insert_after(graph, node, runtime.compute_copy, (node, compute_dtype))
-                produced[new.name] = produced[node.name]
+        if node.op == "get_attr" and node.name not in (mesh_node.name, gathers.name):
+            pplan = plan.parameters.get(node.target)
+            produced[node.name] = pl.format_spec(pplan.state_spec) if pplan else replicated
+            last = node
+            if compute_dtype is not None and pplan:
+                last = _insert_after(graph, last, runtime.compute_copy, (last, compute_dtype))
+                produced[last.name] = produced[node.name]
+            if pplan and pplan.zero:  # ZeRO-2: gathered once for use, kept until backward
+                last = _insert_after(graph, last, runtime.redistribute, (last, mesh_node, pplan.placement))
+                produced[last.name] = pplan.placement
+            if pplan:
+                weights.update((node.name, last.name))
+                weights.update(n.name for n in _between(node, last))
         if node.target is relabel_experts:  # keeps its input's placement
             produced[node.name] = produced.get(node.args[0].name)
         if node.op != "call_function" or node.target in _RUNTIME_FUNCS:
@@ -295,10 +312,15 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             have = produced.get(arg.name)
             if have != want:
                 with graph.inserting_before(node):
-                    moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
+                    if arg.name in weights and _gathers(have, want):  # FSDP: gathered again for backward
+                        moved = graph.call_method("gather", (gathers, arg, mesh_node, want))
+                    else:
+                        moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
                     moved.meta["val"] = arg.meta.get("val")
                 produced[moved.name] = want
                 node.replace_input_with(arg, moved)
+        if _is_view(node.target) and any(a.name in weights for a in tensor_args_of(node)[:1]):
+            weights.add(node.name)
         if node.target is torch.ops.aten.stack.default and any(
                 pl.owned_dim(nplan.input_spec(k)) is not None for k in range(len(nplan.inputs))):
             node.args = (node.args[0], mesh_node, nplan.outputs[0])  # experts stacked where they live
@@ -330,6 +352,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             new = _insert_after(graph, node, runtime.replicate_constant, (node, mesh_node))
             produced[new.name] = produced[node.name]
     fuse_table_wise(graph, plan, mesh_node, table_wise)
+    if not gathers.users:
+        graph.erase_node(gathers)
     out = graph.output_node()
     flat, _ = tree_flatten(out.args)
     for arg in {a for a in flat if isinstance(a, torch.fx.Node)}:
@@ -343,6 +367,29 @@ _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redist
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
                   runtime.table_wise_lookups, runtime.dispatch_experts, runtime.local_attention}
+
+
+def _gathers(have: str | None, want: str) -> bool:
+    """Whether resharding ``have`` to ``want`` gathers a sharded dim whole."""
+    return have is not None and any(a.is_shard and b is pl.R for a, b in zip(pl.parse_spec(have), pl.parse_spec(want)))
+
+
+def _is_view(target) -> bool:
+    """An aten op whose output aliases its input (a view: transpose, reshape's view, ...)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _between(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes after ``first`` up to ``last`` (inserted one after the other)."""
+    out, node = [], first
+    while node is not last:
+        node = node.next
+        out.append(node)
+    return out
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

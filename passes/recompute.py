@@ -54,7 +54,7 @@ def checkpoint_layers(gm: torch.fx.GraphModule, layers: dict[str, str]) -> None:
         if layer in layers:
             spans.setdefault(layer, [k, k])[1] = k
     for count, (layer, (first, last)) in enumerate(spans.items()):
-        region = [n for n in order[first:last + 1] if n.op == "call_function"]
+        region = [n for n in order[first:last + 1] if n.op in ("call_function", "call_method")]
         _wrap(gm, region, f"{SPAN_PREFIX}{count}", layers[layer])
     graph.lint()
     gm.recompile()

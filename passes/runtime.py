@@ -74,7 +74,8 @@ def _contiguous_grad(x: DTensor) -> DTensor:
     """``x`` unchanged; its gradient comes back with a contiguous local piece. (Partial inputs
     are left alone: their gradient is replicated, and this wrapper's backward would convert it
     to ``x``'s placements.)"""
-    local = _GradInLayout.apply(x.to_local(), _dim_order(x.to_local()))
+    piece = x.to_local()
+    local = _GradInLayout.apply(piece, _dim_order(piece.stride()))
     return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
@@ -125,7 +126,7 @@ def local_attention(mesh, spec: str, traced: tuple[tuple, tuple] | None, query, 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
 
-    q, k, v = (_GradInLayout.apply(local(t), _dim_order(t)) if t.requires_grad else local(t)
+    q, k, v = (_GradInLayout.apply(local(t), _dim_order(t.stride())) if t.requires_grad else local(t)
                for t in (query, key, value))
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=local(attn_mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
@@ -133,18 +134,18 @@ def local_attention(mesh, spec: str, traced: tuple[tuple, tuple] | None, query, 
     if traced is None:
         return DTensor.from_local(out, mesh, placements(spec), run_check=False)
     shape, stride = traced
-    out = _in_layout(out, tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d))))
+    out = _in_layout(out, _dim_order(stride))
     return DTensor.from_local(out, mesh, placements(spec), run_check=False, shape=torch.Size(shape), stride=stride)
 
 
-def _dim_order(x: torch.Tensor) -> tuple[int, ...]:
-    """``x``'s dims in memory order, outermost first."""
-    return tuple(sorted(range(x.dim()), key=lambda d: (-x.stride(d), d)))
+def _dim_order(stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The dims of a tensor with these strides in memory order, outermost first."""
+    return tuple(sorted(range(len(stride)), key=lambda d: (-stride[d], d)))
 
 
 def _in_layout(x: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
     """``x`` with its memory in dim order ``layout`` (a copy only when it is not already)."""
-    if _dim_order(x) == tuple(layout):
+    if _dim_order(x.stride()) == tuple(layout):
         return x
     return x.permute(layout).contiguous().permute(inverse_order(list(layout)))
 

@@ -64,6 +64,14 @@ class Strategy:
     # "" for DTensor's own rules; "sparse_allgather": a lookup that exchanges its table's
     # gradient as touched rows itself (passes.sparse), so the table's edge carries no gradient
     exchange: str = ""
+    # a parameter's optimizer-state placement when it differs from how the parameter is used
+    # (ZeRO-2: used replicated, fp32 master, gradient and states sharded); None: the same
+    state: pl.Spec | None = None
+
+    @property
+    def stored(self) -> pl.Spec | None:
+        """Where a parameter's master weight, gradient and optimizer states live."""
+        return self.state if self.state is not None else self.outputs[0]
 
 
 def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -2,7 +2,8 @@
 inputs; the ILP fills in the remaining ops, so each baseline is costed by the same model.
 
 ``leaf_options[i]`` lists, for problem node i, the placement (autopar.placements spec) of each
-strategy of a parameter or input node (empty for other nodes); ``roles[i]`` says which Megatron role a
+strategy of an input node, and of a parameter node the :class:`Kept` pair (its placement, where
+its optimizer states live) (empty for other nodes); ``roles[i]`` says which Megatron role a
 parameter plays ("column_weight", "column_bias", "row_weight", "row_bias", "table" for a
 sparse embedding table, or None);
 ``batch_dims[i]`` is the batch dimension of an input (None: the input has no batch dim and
@@ -11,18 +12,30 @@ stays replicated). In the rules, ``BATCH`` stands for "shard on the batch dim".
 inner dimension lies inside a host.
 
 >>> options = [(R,), (Shard(0),)]
->>> ddp(["param", "input", "op"], [options, options, []], [None, None, None], [None, 0, None])
+>>> kept = [Kept(o, o) for o in options]
+>>> ddp(["param", "input", "op"], [kept, options, []], [None, None, None], [None, 0, None])
 {0: 0, 1: 1}
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from autopar.placements import R, Shard, Spec
 
 BATCH = object()  # in a rule: Shard(batch dim) for an input with one, R for an input without
 
 
-def _pick(options: list[Spec], wanted: list[Spec]) -> int | None:
+class Kept(NamedTuple):
+    """A parameter option: placed ``use`` for compute, its master weight, gradient and
+    optimizer states placed ``state`` (the same, except under ZeRO-2). A rule's plain spec
+    wants the two equal."""
+
+    use: Spec
+    state: Spec
+
+
+def _pick(options: list, wanted: list) -> int | None:
     for w in wanted:
         if w in options:
             return options.index(w)
@@ -42,6 +55,8 @@ def _fix(kinds, leaf_options, batch_dims, param_wanted, input_wanted, roles=None
             batch = batch_dims[i] if batch_dims else 0
             on_batch = R if batch is None else Shard(batch)
             wanted = [tuple(on_batch if p is BATCH else p for p in w) for w in wanted]
+        else:
+            wanted = [w if isinstance(w, Kept) else Kept(w, w) for w in wanted]
         choice = _pick(options, wanted)
         if choice is None:
             return None  # e.g. a batch not divisible by the data-parallel degree
@@ -57,6 +72,14 @@ def ddp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None
 def fsdp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
     """FSDP / ZeRO-3: parameters sharded on dim 0 (replicated when too small), batch split."""
     return _fix(kinds, leaf_options, batch_dims, [(Shard(0),), (R,)], [(BATCH,)])
+
+
+def zero2(kinds: list[str], leaf_options: list[list], roles, batch_dims=None) -> dict[int, int] | None:
+    """ZeRO-2 (DeepSpeed; FSDP2 without resharding after forward): parameters used replicated,
+    their master weights, gradients and optimizer states split on the first dim that splits
+    evenly (replicated when none does), batch split."""
+    return _fix(kinds, leaf_options, batch_dims, [Kept((R,), (Shard(0),)), Kept((R,), (Shard(1),)), (R,)],
+                [(BATCH,)])
 
 
 MEGATRON_ROLES = {"column_weight": [(Shard(0),)], "column_bias": [(Shard(0),)], "row_weight": [(Shard(1),)],
@@ -82,7 +105,7 @@ def row_wise(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims
     return _fix(kinds, leaf_options, batch_dims, [(R,)], [(BATCH,)], roles, {"table": [(Shard(0),), (R,)]})
 
 
-BASELINES = {"ddp": ddp, "fsdp": fsdp, "megatron_tp": megatron_tp, "row_wise": row_wise}
+BASELINES = {"ddp": ddp, "zero2": zero2, "fsdp": fsdp, "megatron_tp": megatron_tp, "row_wise": row_wise}
 
 
 def tp_dp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:

@@ -102,6 +102,8 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["fused_attention"] = pmodel.code.count("local_attention(")
     errors["redistributes"] = pmodel.code.count("redistribute(")
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
+    errors["zero"] = sum(p.zero for p in pmodel.plan.parameters.values())  # ZeRO-2 parameters
+    errors["weight_gathers"] = pmodel.code.count(".gather(")  # gathered again for backward (FSDP)
     # experts placed in a balanced order (passes.expert_order): each weight's owner, and the orders
     errors["owners"] = {name: getattr(p, OWNED_ATTR)[2] for name, p in params.items() if hasattr(p, OWNED_ATTR)}
     errors["orders_applied"] = {module: layer["order"] for module, layer in pmodel.plan.experts.items()
@@ -184,3 +186,21 @@ def check_contract() -> dict:
     except autopar.AutoparError as exc:
         result["no_loss_fn"] = exc.message
     return result
+
+
+def forward_saving(pmodel, *inputs):
+    """``pmodel(*inputs)`` and the bytes autograd keeps for backward during it on this rank
+    (each storage once; the parameters' own storages left out)."""
+    weights = {p.to_local().untyped_storage().data_ptr() for p in pmodel.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        ptr = local.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen[ptr] = max(seen.get(ptr, 0), local.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = pmodel(*inputs)
+    return out, sum(seen.values())

@@ -14,7 +14,7 @@ from autopar.cluster import Cluster, Link
 from autopar.devices import get_device
 from autopar.mesh import MeshSpec
 from autopar.passes.cost import OpCost, op_class
-from autopar.passes.build_problem import reshard_s
+from autopar.passes.reshard_cost import reshard_s
 from autopar.placements import R, Shard
 from autopar.profile import fit_collectives
 from distributed import run_world

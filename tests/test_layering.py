@@ -55,11 +55,12 @@ TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "clus
 OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
-    "build_problem", "sparse", "stack_experts", "stages", "strategies", "symbolic", "values")}
+    "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
+    "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "materialize", "recompute")} | {"autopar.parallel"}
+                                            "runtime", "materialize", "recompute", "reshard")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "cli", "report", "html_report", "profile")}
-RUNTIME = {"autopar.passes.runtime", "autopar.parallel"}  # what a training step calls
+RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {
     "types": {"types"},

@@ -27,7 +27,7 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.mesh import mesh_for_shape
-from autopar.passes.build_problem import reshard_s, unit_links
+from autopar.passes.reshard_cost import reshard_s, unit_links
 from autopar.placements import R, Shard
 from autopar.planning import Precision
 from distributed import run_world
@@ -135,6 +135,8 @@ WORLD2 = [
     # big tables table-wise on their owners (the working copy keeps saying where it lives)
     ("DLRM", {"tables": (50000, 4096, 64, 16), "dim": 16, "hidden": 256}, "dlrm", 512,
      {"cluster": "2xcpu", "mesh_shape": (2,), "mixed_precision": "bf16"}),
+    # ZeRO-2: bf16 working weights gathered once per step from fp32 master shards
+    ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "2xcpu", "configuration": "zero2", "mixed_precision": "bf16"}),
     # ModuleList experts on their owners (expert parallel)
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True, "skew": 1.0}, "tokens", 8,
      {"cluster": "2xcpu", "mixed_precision": "bf16"}),
@@ -166,7 +168,8 @@ def test_bf16_equivalence_two_processes():
     _check(WORLD2, results)
     exchanges = [set(r["exchanges"]) for r in results]
     assert exchanges[0] == {"allreduce"} and exchanges[1] == {"reduce_scatter"}
-    assert "table_wise" in exchanges[3] and "expert_parallel" in exchanges[4]
+    assert "table_wise" in exchanges[3] and "expert_parallel" in exchanges[5]
+    assert results[4]["zero"] > 0
     assert results[0]["output"] == 0.0 and results[0]["grad"] <= 1e-6  # DDP: each row as one process computes it
 
 

@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar.errors import AutoparError, ErrorKind
 from distributed import run_world
-from equivalence import run_cases
+from equivalence import forward_saving, run_cases
 from models import GPT
 
 
@@ -79,20 +79,9 @@ def _saved_bytes(recompute: str) -> dict:
     torch.manual_seed(0)
     model, x = models.GPT(layers=4, d=64), torch.randint(0, 64, (8, 16))
     pmodel = autopar.parallelize(model, (x,), recompute=recompute, configuration="ddp")
-    weights = {p.to_local().untyped_storage().data_ptr() for p in pmodel.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        ptr = local.untyped_storage().data_ptr()
-        if ptr not in weights:
-            seen[ptr] = max(seen.get(ptr, 0), local.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = pmodel(x)
+    out, measured = forward_saving(pmodel, x)
     out.sum().backward()
-    return {"measured": sum(seen.values()), "predicted": pmodel.plan.memory.activations_bytes,
+    return {"measured": measured, "predicted": pmodel.plan.memory.activations_bytes,
             "checkpointed": pmodel.code.count("checkpointed(")}
 
 

@@ -14,6 +14,7 @@ from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.build_problem import ProblemIndex
 from autopar.passes.sparse import LOOKUP_KEY
+from autopar.solvers.baselines import Kept
 
 NOT_EXPRESSIBLE = ("not expressible on this mesh (a placement it needs does not split evenly, or the model has "
                    "none of the layers it parallelises)")
@@ -105,7 +106,9 @@ def _sparse_exchanges(index: ProblemIndex) -> frozenset[tuple[int, int]]:
     return frozenset((i, t) for i, options in enumerate(index.strategies) for t, s in enumerate(options) if s.exchange)
 
 
-def _leaf_options(index: ProblemIndex) -> list[list[pl.Spec]]:
-    """Placement of each strategy of every parameter and input node (baselines fix these)."""
-    return [[s.outputs[0] for s in options] if kind in ("param", "input") else []
+def _leaf_options(index: ProblemIndex) -> list[list]:
+    """Placement of each strategy of every input node, and of every parameter node with where
+    its optimizer states live (baselines fix these)."""
+    return [[Kept(s.outputs[0], s.stored) for s in options] if kind == "param"
+            else [s.outputs[0] for s in options] if kind == "input" else []
             for kind, options in zip(index.kinds, index.strategies)]

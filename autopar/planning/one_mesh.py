@@ -302,8 +302,10 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         incident.setdefault(producer, []).append((problem.edges[k], True))
         incident.setdefault(consumer, []).append((problem.edges[k], False))
     nodes, parameters, buffers = {}, {}, {}
-    memory = {"param": table_excess, "act": 0, "working": 0}
-    states = options.optimizer_states
+    # the busiest table-wise owner's excess is master weights, gradients and states alike
+    excess = table_excess // (2 + options.optimizer_states)
+    memory = {"param": table_excess - excess * (1 + options.optimizer_states), "grad": excess,
+              "states": excess * options.optimizer_states, "act": 0}
     for node in captured.graph.nodes:
         q = index.node_of.get(node.name)
         if q is None:
@@ -313,10 +315,13 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         kind = index.kinds[q]
         if kind == "param":
             fqn = captured.parameter_of[node.name]
-            exchange = "reduce_scatter" if any(p.is_shard for p in chosen.outputs[0]) else "allreduce"
-            parameters[fqn] = ParameterPlan(format_spec(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange)
-            memory["param"] += problem.node_memory[q][choice]
-            memory["working"] += index.working[q][choice] if q in index.working else 0
+            exchange = "reduce_scatter" if any(p.is_shard for p in chosen.stored) else "allreduce"
+            parameters[fqn] = ParameterPlan(format_spec(chosen.outputs[0]), tensor_bytes(node.meta["val"]), exchange,
+                                            optimizer_state=format_spec(chosen.stored))
+            held = index.parameter_memory[q][choice]
+            memory["param"] += held.master + held.working
+            memory["grad"] += held.grad
+            memory["states"] += held.states
         elif kind == "buffer":
             buffers[captured.buffer_of[node.name]] = format_spec(chosen.outputs[0])
         elif kind in ("op", "input"):
@@ -342,7 +347,6 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     experts = expert_layers(captured, parameters, nodes, mesh)
     sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
     compute_total = problem.compute(solution.choice)
-    per_copy = (memory["param"] - memory["working"]) // (2 + states)  # master weights, gradients, each state
     return Plan(
         fingerprint=captured.fingerprint,
         cluster=cluster.plan_header(),
@@ -350,7 +354,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         nodes=nodes, parameters=parameters, buffers=buffers,
         predicted_step_s=step_s if step_s is not None else solution.objective_s, predicted_compute_s=compute_total,
         predicted_comm_s=(step_s if step_s is not None else solution.objective_s) - compute_total,
-        memory=MemoryBreakdown(per_copy + memory["working"], per_copy, per_copy * states, memory["act"]),
+        memory=MemoryBreakdown(memory["param"], memory["grad"], memory["states"], memory["act"]),
         solver={"name": options.solver, "status": solution.status, "method": solution.method,
                 "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,

@@ -1,0 +1,126 @@
+"""FSDP's ``reshard_after_forward`` for the lowered graph: a sharded weight gathered for use is
+not kept for backward but gathered again there.
+
+Autograd keeps what an op needs for its backward; a matmul keeps its gathered weight, so
+without this a plan that shards its parameters (FSDP, ZeRO-3) would hold every layer's full
+weight from forward to backward — the memory the plan says it saves. The planner costs the
+second gather (passes.build_problem, ``regather``) and counts no gathered weight in memory.
+
+Lowering writes :meth:`WeightGathers.gather` where a weight (or its compute copy, or a view
+of either) is gathered; the gathered tensor's storage is remembered (weakly). While the
+lowered module runs forward, :meth:`WeightGathers.hooks` (torch's
+``saved_tensors_hooks``) sees what autograd saves: a tensor on such a storage — the gathered
+weight or a view of it — is saved as a recipe (its source and the view's geometry) and
+gathered again when backward unpacks it. A ZeRO-2 parameter is gathered by a plain
+redistribute, not here: it is meant to stay whole until backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from autopar.passes import runtime
+
+WEIGHT_GATHERS_ATTR = "_autopar_weight_gathers"
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """How to rebuild a saved tensor: gather ``source`` again and view its piece as saved."""
+
+    source: DTensor
+    mesh: object
+    spec: str
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    placements: tuple
+    shape: torch.Size
+    global_stride: tuple[int, ...]
+
+    def rebuild(self) -> DTensor:
+        with torch.no_grad():
+            whole = runtime.redistribute(self.source.detach(), self.mesh, self.spec).to_local()
+        local = whole.as_strided(self.size, self.stride, self.offset)
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                  stride=self.global_stride)
+
+
+@dataclass(frozen=True)
+class _OuterPacked:
+    """What the caller's own pack hook made of a saved tensor."""
+
+    value: object
+
+
+class WeightGathers:
+    """The weights gathered during one forward, and the saved-tensor hooks that drop them."""
+
+    def __init__(self) -> None:
+        # storage address -> (the gathered local tensor, weakly; the gather's source, mesh, spec)
+        self._gathered: dict[int, tuple[weakref.ref, DTensor, object, str]] = {}
+
+    def gather(self, source: DTensor, mesh, spec: str) -> DTensor:
+        """``source`` redistributed to ``spec`` (a gather), remembered so autograd does not keep it."""
+        out = runtime.redistribute(source, mesh, spec)
+        local = out._local_tensor
+        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, mesh, spec)
+        return out
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks for one forward, on top of the caller's own (activation offloading, a
+        measurement), which still see every other saved tensor."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+        def pack(saved: torch.Tensor):
+            recipe = self._recipe(saved)
+            if recipe is not None:
+                return recipe
+            return _OuterPacked(outer_pack(saved)) if outer_pack is not None else saved
+
+        def unpack(packed):
+            if isinstance(packed, _Regather):
+                return packed.rebuild()
+            return outer_unpack(packed.value) if isinstance(packed, _OuterPacked) else packed
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _recipe(self, saved: torch.Tensor) -> _Regather | None:
+        if not isinstance(saved, DTensor):
+            return None
+        local = saved._local_tensor
+        found = self._gathered.get(local.untyped_storage().data_ptr())
+        # alive: the storage is still the gathered one (a freed one's address may be reused)
+        if found is None or found[0]() is None:
+            return None
+        _, source, mesh, spec = found
+        return _Regather(source, mesh, spec, tuple(local.size()), tuple(local.stride()), local.storage_offset(),
+                         tuple(saved.placements), saved.shape, tuple(saved.stride()))
+
+    def forget(self) -> None:
+        """Drop the record of this forward's gathers (the recipes already packed keep theirs)."""
+        self._gathered.clear()
+
+
+def install(module: torch.nn.Module, gathers: WeightGathers) -> None:
+    """Run ``module``'s forward under ``gathers``' hooks (entered before, left after, also when
+    forward raises)."""
+    active: list = []
+
+    def enter(_module, _args):
+        context = gathers.hooks()
+        context.__enter__()
+        active.append(context)
+
+    def leave(_module, _args, _output):
+        gathers.forget()
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)

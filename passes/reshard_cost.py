@@ -1,0 +1,90 @@
+"""Time of resharding a tensor between two placements on a mesh, forward and backward (the
+table in passes.build_problem's docstring; ring formulas in autopar.comm), and the same as
+bytes sent (on :func:`unit_links`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from autopar import placements as pl
+from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
+from autopar.mesh import MeshSpec
+from autopar.passes.sparse import UNIT_LINK
+
+
+@functools.lru_cache(maxsize=64)
+def unit_links(mesh: MeshSpec) -> MeshSpec:
+    """``mesh`` with every link at 1 byte/s and no latency: a collective's time is its volume."""
+    return dataclasses.replace(mesh, links=(UNIT_LINK,) * len(mesh.shape))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
+              needs_grad: bool, mesh: MeshSpec, regather: bool = False, sync_nbytes=None,
+              state: pl.Spec | None = None) -> float | None:
+    """Forward (+ backward) time to turn placement ``src`` into ``dst``; None if impossible.
+
+    ``regather`` (parameter edges): a sharded parameter gathered for use is gathered again for
+    backward (FSDP frees the full weight after forward), so S→R pays two all-gathers; and a
+    gradient that only needs all-reduces (a replicated parameter's partial sums) joins one
+    flat buffer with the others (passes.grad_sync.sync_grads), so its latency term is dropped;
+    ``sync_nbytes`` is that gradient's size there when it differs from the edge's (mixed
+    precision all-reduces the fp32 master gradient).
+
+    ``state`` (a ZeRO-2 parameter): where the parameter's gradient and master live instead of
+    ``src``: its gradient is reduce-scattered there, and the updated master all-gathered back
+    to ``src`` once per step (both one by one, as lowered).
+    """
+    forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
+    if forward is None or not needs_grad:
+        return forward
+    grad = tuple(b if b.is_shard or b is pl.O or b is pl.D else (pl.P if split and split[d] and b is pl.R else pl.R)
+                 for d, b in enumerate(dst))
+    if state is not None:
+        back = _sequential_s(grad, state, nbytes, mesh, mesh.links)
+        update = _sequential_s(state, src, nbytes, mesh, mesh.links)
+        if back is None or update is None:
+            return None
+        total = forward + back + update
+    else:
+        want = tuple(pl.R if a.is_partial else a for a in src)
+        bucketed = regather and all(g is w or (g is pl.P and w is pl.R) for g, w in zip(grad, want))
+        links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
+        total = forward + _sequential_s(grad, want, sync_nbytes if bucketed and sync_nbytes else nbytes, mesh, links)
+    if regather:
+        total += _sequential_s(tuple(a if a.is_shard else pl.R for a in src),
+                               tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)
+                                     for a, b in zip(src, dst)), nbytes, mesh, mesh.links)
+    return total
+
+
+def _sequential_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec, links) -> float | None:
+    """Convert one mesh dim at a time, innermost first; each collective moves the tensor
+    as currently sharded on the other dims (a 2-D all-gather costs ¼ + ½ of the bytes)."""
+    current = list(src)
+    total = 0.0
+    for d in reversed(range(len(src))):
+        others = math.prod(size for k, (p, size) in enumerate(zip(current, mesh.shape))
+                           if k != d and p.is_shard)
+        step = _transition_s(current[d], dst[d], nbytes / others, mesh.shape[d], links[d])
+        if step is None:
+            return None
+        total += step
+        current[d] = dst[d]
+    return total
+
+
+def _transition_s(a: pl.Placement, b: pl.Placement, nbytes: float, n: int, link) -> float | None:
+    if a is b:
+        return 0.0
+    if a is pl.O or b is pl.O or a is pl.D or b is pl.D:
+        return None  # an owned expert weight only feeds its stack; dispatched ids only their gathers
+    if a is pl.R and (b is pl.P or b.is_shard):
+        return 0.0  # local: slice, or keep the value on one rank and zeros elsewhere (R→P)
+    if b.is_partial:
+        return None
+    if a.is_shard:
+        return all_gather_s(nbytes, n, link) if b is pl.R else all_to_all_s(nbytes, n, link)
+    return all_reduce_s(nbytes, n, link) if b is pl.R else reduce_scatter_s(nbytes, n, link)

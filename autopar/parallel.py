@@ -4,20 +4,30 @@ training API for every plan.
 ``pmodel(*inputs)`` returns the full outputs on every rank; ``pmodel.step(*inputs,
 target=t)`` runs forward and backward (over the plan's micro-batches when it has pipeline
 stages) and returns the loss on every rank, leaving gradients on ``pmodel.parameters()`` for
-any torch optimizer. Without stages, ``step`` is ``loss_fn(pmodel(*inputs), t).backward()``.
+any torch optimizer. Without stages, ``step`` is ``loss_fn(outputs, t).backward()`` on the
+outputs as the plan leaves them: a one-mesh plan may keep them split along the batch dim
+(``plan.outputs``; each device then computes the loss on its rows, as DDP does —
+passes.split_loss — and no device holds all the logits), while ``pmodel(*inputs)`` always
+gathers them whole (evaluation).
 Parameters keep the model's own names (``blocks.0.qkv.weight``); under a pipeline plan a
 rank holds only its stage's parameters.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError, ErrorKind
+from autopar.passes.runtime import to_full
+from autopar.passes.split_loss import averages_over_rows, batch_split, local_loss, local_outputs, local_rows
 from autopar.plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 class ParallelModule(nn.Module):
@@ -34,6 +44,7 @@ class ParallelModule(nn.Module):
         # how a plan over several device groups runs a step: passes.pipeline_lower.PipelineRuntime
         # (stages) or passes.replica_lower.ReplicaRuntime (data-parallel replicas); None: one mesh
         self.runtime = runtime
+        self._averages: bool | None = None  # whether loss_fn averages over rows (passes.split_loss)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this rank holds, whole: sharded ones gathered, an expert
@@ -52,7 +63,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *inputs):
         if self.runtime is None:
-            return self.lowered[0](*inputs)
+            return tree_map(to_full, self.lowered[0](*inputs))
         with torch.no_grad():
             return self.runtime.evaluate(inputs)
 
@@ -64,6 +75,17 @@ class ParallelModule(nn.Module):
                                "autopar.parallelize(...) or autopar.apply(...)")
         if self.runtime is not None:
             return self.runtime.train_step(inputs, target)
-        loss = self.loss_fn(self.lowered[0](*inputs), target)
+        outputs = self.lowered[0](*inputs)
+        split = batch_split(outputs, target)
+        if split is not None and self._averages is None:  # checked once: is it a mean over rows?
+            self._averages = averages_over_rows(self.loss_fn, local_outputs(outputs), local_rows(target, split[0]))
+            if not self._averages:
+                log.warning("loss_fn is not a mean over the batch (a row twice changes its value): it runs "
+                            "on the whole outputs, gathered on every device")
+        if split is not None and self._averages:
+            backward_from, loss = local_loss(self.loss_fn, outputs, target, *split)
+            backward_from.backward()
+            return loss
+        loss = self.loss_fn(tree_map(to_full, outputs), target)
         loss.backward()
         return loss.detach()

@@ -246,6 +246,13 @@ class Plan:
     # activation checkpointing: layer -> "full" (recomputed whole in backward; passes.recompute);
     # empty when every activation is kept
     recompute: dict[str, str] = field(default_factory=dict)
+    # what recomputing costs and saves: rerun_s (forward time run again in backward, per step) and
+    # activations_kept_bytes (per device, had every activation been kept); empty without it
+    recompute_cost: dict[str, float] = field(default_factory=dict)
+    # how the graph's outputs are left for the training step's loss (one-mesh plans): a placement
+    # per output, split along their batch dim where the work was (autopar.parallel computes the
+    # loss on them in place); empty: gathered whole on every device
+    outputs: tuple[str, ...] = ()
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -323,6 +330,7 @@ class Plan:
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
                 symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}), recompute=d.get("recompute", {}),
+                outputs=tuple(d.get("outputs", ())), recompute_cost=d.get("recompute_cost", {}),
                 family=d["family"],
                 families=d["families"], schema_version=version,
             )
@@ -343,6 +351,7 @@ def _check_placements(plan: Plan, source: str) -> None:
     where += [(f"parameter {fqn} optimizer_state", p.optimizer_state) for fqn, p in plan.parameters.items()
               if p.optimizer_state is not None]
     where += [(f"buffer {name}", text) for name, text in plan.buffers.items()]
+    where += [(f"output {k}", text) for k, text in enumerate(plan.outputs)]
     for name, node in plan.nodes.items():
         where += [(f"node {name} output {k}", text) for k, text in enumerate(node.outputs) if text is not None]
         where += [(f"node {name} input {k}", text) for k, text in enumerate(node.inputs)]

@@ -217,7 +217,13 @@ def recompute_line(plan: Plan) -> str:
     named = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} … {layers[-1]}"
     mode = next(iter(plan.recompute.values()))
     what = "whole" if mode == "full" else "but their matmul and attention outputs"
-    return f"recompute ({mode}): {len(layers)} layers ({named}) rerun in backward, {what}"
+    line = f"recompute ({mode}): {len(layers)} layers ({named}) rerun in backward, {what}"
+    cost = plan.recompute_cost
+    if cost:
+        line += (f"; costs {format_seconds(cost['rerun_s'])} of forward a step, keeps "
+                 f"{format_bytes(plan.memory.activations_bytes)} of activations instead of "
+                 f"{format_bytes(cost['activations_kept_bytes'])}")
+    return line
 
 
 def precision_line(plan: Plan) -> str:

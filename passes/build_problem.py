@@ -40,7 +40,8 @@ from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.reshard_cost import reshard_s, unit_links
-from autopar.passes.node_memory import ParameterBytes, kept_bytes, leaving_bytes, parameter_bytes, zero_twins
+from autopar.passes.node_memory import (
+    ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
 from autopar.passes.sparse import (
     LOOKUP_KEY, TABLE_WISE, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
     table_owners, table_wise_tables)
@@ -68,12 +69,17 @@ class ProblemIndex:
     fallback: list[bool]  # op runs replicated for lack of a DTensor rule
     # parameter node -> its bytes per strategy by kind (master, gradient, states, working copy)
     parameter_memory: dict[int, list[ParameterBytes]] = dataclasses.field(default_factory=dict)
+    # recomputation: node -> per strategy, the activation bytes it would keep without it, and
+    # the forward time it reruns in backward (what recomputing saves and costs)
+    kept_without_recompute: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    rerun_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
                   symbolic: bool = False, tables_whole: bool = False,
-                  recompute: str | None = None, zero: bool = True) -> tuple[ShardingProblem, ProblemIndex]:
+                  recompute: str | None = None, zero: bool = True,
+                  loss_on_outputs: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -88,7 +94,12 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     every layer is checkpointed whole (passes.recompute): its nodes run forward twice and keep only
     what leaves the layer, plus, counted once, the activations of one layer while it reruns;
     ``"selective"``: the same, except that matmul and attention outputs are kept and not
-    recomputed (torchtitan's op-level selective checkpointing)."""
+    recomputed (torchtitan's op-level selective checkpointing). ``zero``: parameters may also
+    take ZeRO-2 twins (:func:`passes.node_memory.zero_twins`). ``loss_on_outputs``: the outputs feed the
+    training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
+    their batch dim (dim 0) where the work was, and the loss's fp32 copies of them are counted
+    (passes.node_memory.loss_bytes); else they are gathered whole and nothing is counted for them
+    (a pipeline stage sends them on)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -97,6 +108,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     parameter_memory: dict[int, list[ParameterBytes]] = {}
     recomputed: dict[int, tuple[list[int], list[int], bool]] = {}
+    kept_without_recompute: dict[int, list[int]] = {}
+    rerun_s: dict[int, list[float]] = {}
     first_layer: dict[str, str] = {}  # ModuleList -> its first layer (the rerun buffer is counted on it)
     if recompute:
         for layer in layer_order(graph):
@@ -134,10 +147,13 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             op_cost = node.meta[COST_KEY]
             layer = node_layer(node) if recompute else None  # a layer run again in backward
             stored = layer is not None and recompute == "selective" and op_cost.op_class in SAVED_CLASSES
-            factor = (3 if node.name in grad_nodes else 1) + (layer is not None and not stored)
+            rerun = layer is not None and not stored
+            factor = (3 if node.name in grad_nodes else 1) + rerun
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
-            cost = [factor * timed.time_s(device, work_split(s, mesh.shape)) + _exchange_s(node, s, mesh, device)
-                    for s in options]
+            forward = [timed.time_s(device, work_split(s, mesh.shape)) for s in options]
+            cost = [factor * f + _exchange_s(node, s, mesh, device) for f, s in zip(forward, options)]
+            if rerun:
+                rerun_s[len(names)] = forward
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else kept_bytes(node, s, saved, mesh.shape, activation_copies)
                    for s in options]
@@ -161,18 +177,19 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         position[name] = position[rep]
         counts[position[rep]] += 1
     for q, (leaves, whole, buffer) in recomputed.items():  # one layer's worth, over its copies
+        kept_without_recompute[q] = whole
         memory[q] = [kept + (full // counts[q] if buffer else 0) for kept, full in zip(leaves, whole)]
 
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
                 if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-    sink = Strategy((), tuple(pl.replicated(len(mesh.shape)) for _ in out_args))
     position[OUTPUT] = len(names)
     names.append(OUTPUT)
-    strategies.append([sink])
+    strategies.append(_sink_strategies(graph, captured, out_args, mesh.shape, loss_on_outputs))
     kinds.append("output")
-    costs.append([0.0])
-    memory.append([0])
+    costs.append([0.0] * len(strategies[-1]))
+    memory.append([activation_copies * loss_bytes(out_args, sink, mesh.shape) if loss_on_outputs else 0
+                   for sink in strategies[-1]])
     counts.append(1)
     fallback.append(False)
 
@@ -205,14 +222,37 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
-    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory)
+    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
+                                 kept_without_recompute, rerun_s)
+
+
+def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[torch.fx.Node],
+                     mesh_shape: tuple[int, ...], split: bool) -> list[Strategy]:
+    """How the outputs may be delivered: whole on every device, and with ``split`` also split
+    along dim 0 on any mesh dims — when every output's dim 0 is a batch dim (the size of a
+    user input's dim 0) that splits evenly. All outputs are placed alike."""
+    whole = Strategy((), tuple(pl.replicated(len(mesh_shape)) for _ in out_args))
+    batches = {n.meta["val"].shape[0] for n in graph.nodes if n.op == "placeholder"
+               and n.name not in captured.parameter_of and n.name not in captured.buffer_of
+               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0}
+    vals = [a.meta["val"] for a in out_args]
+    if not split or not vals or not all(v.dim() > 0 and v.shape[0] in batches for v in vals):
+        return [whole]
+    options = [whole]
+    for combo in itertools.product((pl.R, pl.Shard(0)), repeat=len(mesh_shape)):
+        if pl.is_replicated(combo):
+            continue
+        if all(evenly_sharded(v.shape, combo, mesh_shape) for v in vals):
+            options.append(Strategy((), tuple(tuple(combo) for _ in out_args)))
+    return options
 
 
 def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: int, nbytes):
     """Bytes of a weight's gradient where it is all-reduced: on the fp32 master gradient under
     mixed precision (passes.grad_sync), else as the edge carries it; None when they agree."""
     val = output_vals(producer)[out_index]
-    if captured.compute_dtype is None or not isinstance(val, torch.Tensor) or val.dtype != captured.compute_dtype:
+    if captured.compute_dtype is None or not isinstance(val, torch.Tensor) or val.dtype != captured.compute_dtype \
+            or not captured.master_itemsize:  # a model already in the compute dtype has no fp32 masters
         return None
     return nbytes * (torch.finfo(torch.float32).bits // torch.finfo(val.dtype).bits)
 

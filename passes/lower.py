@@ -356,10 +356,19 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         graph.erase_node(gathers)
     out = graph.output_node()
     flat, _ = tree_flatten(out.args)
-    for arg in {a for a in flat if isinstance(a, torch.fx.Node)}:
-        with graph.inserting_before(out):
-            full = graph.call_function(runtime.to_full, (arg,))
-        out.replace_input_with(arg, full)
+    returned = list(dict.fromkeys(a for a in flat if isinstance(a, torch.fx.Node)))
+    if plan.outputs:  # left split where the work was, for the step's loss (autopar.parallel)
+        want = plan.outputs[0]  # the plan places every output alike
+        for arg in returned:
+            if isinstance(arg.meta.get("val"), torch.Tensor) and produced.get(arg.name) != want:
+                with graph.inserting_before(out):
+                    moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
+                out.replace_input_with(arg, moved)
+    else:
+        for arg in returned:
+            with graph.inserting_before(out):
+                full = graph.call_function(runtime.to_full, (arg,))
+            out.replace_input_with(arg, full)
     graph.lint()
 
 

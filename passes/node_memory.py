@@ -1,6 +1,7 @@
 """Bytes one device holds for a problem node under each of its strategies: a parameter's
 master weight, gradient, optimizer states and working copy; an op's activations kept for
-backward, with or without recomputation. passes.build_problem puts them in the problem.
+backward, with or without recomputation; the loss's on the outputs. passes.build_problem puts
+them in the problem.
 
 A parameter's bytes divide by how its placement splits it, except where ZeRO-2 keeps it whole
 for use (its working copy) while the master, gradient and states are split
@@ -75,6 +76,25 @@ def _split_on(val: torch.Tensor, spec: pl.Spec, dims: tuple[int, ...], mesh_shap
         if evenly_sharded(val.shape, state, mesh_shape):
             return state
     return None
+
+
+# A training step's loss on the outputs (cross-entropy's log-softmax, a squared error) keeps an
+# fp32 copy of each floating output for backward, and backward starts from an fp32 gradient of
+# the same size: both are held at the step's peak. passes.memory already keeps the output itself
+# (in its own dtype), which stands for part of the first.
+LOSS_BYTES_PER_ELEMENT = 2 * 4
+
+
+def loss_bytes(outputs: list[torch.fx.Node], sink: Strategy, mesh_shape: tuple[int, ...]) -> int:
+    """Bytes one device holds for the loss on the graph's outputs, beyond the outputs kept,
+    delivered as ``sink`` places them (split outputs: each device its part)."""
+    total = 0
+    for node, spec in zip(outputs, sink.inputs):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            extra = LOSS_BYTES_PER_ELEMENT - val.element_size()
+            total += val.numel() * extra // pl.divided_over(spec, mesh_shape)
+    return total
 
 
 def kept_bytes(node: torch.fx.Node, strategy: Strategy, saved: list[bool], mesh_shape: tuple[int, ...],

@@ -98,18 +98,19 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["placements"] = sorted({str(tuple(p.placements)) for p in params.values()})
     errors["output_dtype"] = str(out.dtype).removeprefix("torch.")
     errors["master_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()})
-    errors["compute_copies"] = pmodel.code.count("compute_copy(")
-    errors["fused_attention"] = pmodel.code.count("local_attention(")
-    errors["redistributes"] = pmodel.code.count("redistribute(")
+    code = all_code(pmodel)
+    errors["compute_copies"] = code.count("compute_copy(")
+    errors["fused_attention"] = code.count("local_attention(")
+    errors["redistributes"] = code.count("redistribute(")
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
     errors["zero"] = sum(p.zero for p in pmodel.plan.parameters.values())  # ZeRO-2 parameters
-    errors["weight_gathers"] = pmodel.code.count(".gather(")  # gathered again for backward (FSDP)
+    errors["weight_gathers"] = code.count(".gather(")  # gathered again for backward (FSDP)
     # experts placed in a balanced order (passes.expert_order): each weight's owner, and the orders
     errors["owners"] = {name: getattr(p, OWNED_ATTR)[2] for name, p in params.items() if hasattr(p, OWNED_ATTR)}
     errors["orders_applied"] = {module: layer["order"] for module, layer in pmodel.plan.experts.items()
                                 if layer.get("order_applied")}
-    errors["relabels"] = [line.strip() for line in pmodel.code.splitlines() if "relabel_experts(" in line]
-    errors["dispatches"] = pmodel.code.count("dispatch_experts(")  # experts gathered per token, rows sent to owners
+    errors["relabels"] = [line.strip() for line in code.splitlines() if "relabel_experts(" in line]
+    errors["dispatches"] = code.count("dispatch_experts(")  # experts gathered per token, rows sent to owners
     # stacked experts stored in a balanced order: the rows as stored (slot j: expert order[j])
     # against the reference's rows in that order
     errors["row_orders"] = {}
@@ -119,6 +120,12 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
             stored = _full(p.detach())
             errors["row_orders"][name] = (order, (stored - ref_params[name].detach()[order]).abs().max().item())
     return errors
+
+
+def all_code(pmodel) -> str:
+    """The lowered module's code and that of the layers it checkpoints (passes.recompute)."""
+    gm = pmodel.lowered[0]
+    return "".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
 
 
 def under_policy(model: torch.nn.Module, precision: str):
@@ -180,6 +187,21 @@ def check_contract() -> dict:
     ref = dict(reference.named_parameters())
     result["step_loss"] = abs(loss.item() - ref_loss.item())
     result["step_grad"] = max((_full(p.grad) - ref[n].grad).abs().max().item() for n, p in pmodel.named_parameters())
+    # a language model's loss on logits left split along the batch (plan.outputs): as one process
+    torch.manual_seed(0)
+    gpt, tokens = models.GPT(layers=2), torch.randint(0, 64, (8, 16))
+    gpt_reference = copy.deepcopy(gpt)
+
+    def cross_entropy(logits, t):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten(0, 1))
+    lm = autopar.parallelize(gpt, (tokens,), cluster="2xH100", loss_fn=cross_entropy, configuration="ddp")
+    loss = lm.step(tokens, target=tokens)
+    ref_loss = cross_entropy(gpt_reference(tokens), tokens)
+    ref_loss.backward()
+    ref = dict(gpt_reference.named_parameters())
+    result["lm_outputs"] = lm.plan.outputs
+    result["lm_step_loss"] = abs(loss.item() - ref_loss.item())
+    result["lm_step_grad"] = max((_full(p.grad) - ref[n].grad).abs().max().item() for n, p in lm.named_parameters())
     try:
         autopar.parallelize(model, (x,), cluster="2xH100").step(x, target=target)
         result["no_loss_fn"] = "no error"

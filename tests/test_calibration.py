@@ -124,5 +124,6 @@ def _count_gradient_collectives() -> dict:
 
 def test_ddp_gradients_are_synchronised_in_one_flat_all_reduce():
     result = run_world(2, _count_gradient_collectives)
-    assert result["calls"] == [result["parameters"]]  # one bucket holding every gradient
+    # one bucket holding every gradient (and the loss of each device's rows averaged for the report)
+    assert sorted(result["calls"]) == [1, result["parameters"]], result
     assert result["error"] < 1e-6

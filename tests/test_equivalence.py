@@ -55,9 +55,12 @@ def test_equivalence_two_processes():
     assert contract["mismatch"].startswith("WORLD_MISMATCH: plan is for 4 devices (mesh [4]) but the process group has 2 ranks")
     assert contract["is_parallel_module"]
     assert contract["step_loss"] < 1e-6 and contract["step_grad"] < 1e-6
+    assert contract["lm_outputs"] == ("S(0)",), contract  # the logits stay where each rank computed them
+    assert contract["lm_step_loss"] < 1e-5 and contract["lm_step_grad"] < 1e-5, contract
     assert contract["no_loss_fn"].startswith("step() needs a loss function")
     code = contract["code"]
-    assert "distribute_input(" in code and "to_full(" in code  # the plan's collectives are visible
+    # the plan's collectives are visible; outputs gathered whole, or left split for the step's loss
+    assert "distribute_input(" in code and ("to_full(" in code or "return pytree.tree_unflatten((addmm" in code)
 
 
 @pytest.mark.distributed

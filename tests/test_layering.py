@@ -58,9 +58,9 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
     "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "materialize", "recompute", "reshard")} | {"autopar.parallel"}
+                                            "runtime", "materialize", "recompute", "reshard", "split_loss")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "cli", "report", "html_report", "profile")}
-RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.parallel"}  # what a training step calls
+RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {
     "types": {"types"},

@@ -59,6 +59,25 @@ def test_the_search_recomputes_only_when_memory_requires_it():
     assert neither.value.kind is ErrorKind.INFEASIBLE_MEMORY
 
 
+def test_a_lower_limit_recomputes_first_where_that_beats_sharding_more():
+    """Activations outweigh weights. With ample memory nothing is recomputed; at 80% of that
+    plan's memory, keeping every activation forces more resharding than rerunning each layer's
+    cheap ops costs, and the search takes selective recomputation."""
+    torch.manual_seed(0)
+    model, x = GPT(vocab=64, d=256, heads=4, layers=4), torch.randint(0, 64, (32, 128))
+    options = {"cluster": "4xH100", "mesh_shape": (4,)}
+    ample = autopar.plan(model, (x,), **options)
+    assert ample.recompute == {}
+    limit = int(0.8 * ample.memory.total_bytes)
+    kept = autopar.plan(model, (x,), recompute="none", memory_limit=limit, **options)
+    selective = autopar.plan(model, (x,), recompute="selective", memory_limit=limit, **options)
+    assert kept.comm_bytes > selective.comm_bytes  # keeping everything, it splits (and moves) more
+    assert selective.predicted_step_s < kept.predicted_step_s
+    chosen = autopar.plan(model, (x,), memory_limit=limit, **options)
+    assert set(chosen.recompute.values()) == {"selective"}
+    assert chosen.predicted_step_s == selective.predicted_step_s
+
+
 def test_options_and_reports_say_what_is_recomputed():
     from autopar.cli import summary_json
     from autopar.report import summary
@@ -123,3 +142,24 @@ def test_recomputed_layers_train_like_one_process():
             assert errors[key] <= 1e-5, (case, key, errors)
         assert errors["param"] <= 2e-4 and errors["param_flat"] <= 3e-2, (case, errors)
         assert "missing_grad" not in errors, (case, errors)
+
+
+def test_plan_reports_what_recomputation_costs_and_saves():
+    """show: the forward time rerun and the activations kept with and without; HTML: a memory
+    bar for the same placements keeping everything."""
+    from autopar.html_report import render
+    from autopar.report import recompute_line
+
+    model, x = _gpt()
+    kept = autopar.plan(model, (x,), cluster="2xH100", recompute="none", configuration="ddp")
+    redone = autopar.plan(model, (x,), cluster="2xH100", recompute="full", configuration="ddp")
+    assert kept.recompute_cost == {}
+    cost = redone.recompute_cost
+    # the rerun is the extra forward: what the step's compute grew by
+    assert cost["rerun_s"] == pytest.approx(redone.predicted_compute_s - kept.predicted_compute_s, rel=1e-6)
+    # the same DDP placements keeping every activation: what the plan without recomputation keeps
+    assert cost["activations_kept_bytes"] == pytest.approx(kept.memory.activations_bytes, rel=0.02)
+    assert cost["activations_kept_bytes"] > 2 * redone.memory.activations_bytes
+    assert "of forward a step, keeps" in recompute_line(redone)
+    assert "without recomputation" in render(redone) and "without recomputation" not in render(kept)
+    assert autopar.Plan.from_json(redone.to_json()).recompute_cost == cost

@@ -19,7 +19,8 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
 from autopar.passes.build_problem import (
-    ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners, unit_links)
+    ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners)
+from autopar.passes.reshard_cost import unit_links
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 
 
@@ -70,13 +71,17 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     annotate_saved(captured.graph)
     annotate_strategies(captured, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                   symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None))
+                                   symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None),
+                                   loss_on_outputs=True)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]
         if kind == "param":
-            wanted = plan.parameters[captured.parameter_of[name]].placement
-            match = [t for t, s in enumerate(options) if format_spec(s.outputs[0]) == wanted]
+            wanted = plan.parameters[captured.parameter_of[name]]
+            match = [t for t, s in enumerate(options) if format_spec(s.outputs[0]) == wanted.placement
+                     and format_spec(s.stored) == (wanted.optimizer_state or wanted.placement)]
+        elif kind == "output" and plan.outputs:
+            match = [t for t, s in enumerate(options) if tuple(format_spec(p) for p in s.inputs) == plan.outputs]
         elif kind == "buffer" or kind == "output":
             match = [0]
         else:

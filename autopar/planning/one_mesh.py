@@ -21,7 +21,7 @@ from typing import NamedTuple
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
-from autopar.placements import format_spec
+from autopar.placements import format_spec, is_replicated
 from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
 from autopar.planning.hand_written import baseline_problem, cost_baselines
 from autopar.planning.options import PlanOptions
@@ -34,12 +34,17 @@ from autopar.passes.stages import layer_order
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.build_problem import (
-    ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners,
-    unit_links)
+    OUTPUT, ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners)
+from autopar.passes.reshard_cost import unit_links
 from autopar.solvers import get_solver
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
 log = logging.getLogger(__name__)
+
+
+# a plan keeping every activation that fills this share of the memory limit may have been
+# shaped by it: recomputation is tried as well (OneMesh.plan)
+MEMORY_BOUND = 0.85
 
 
 class OneMesh:
@@ -53,14 +58,29 @@ class OneMesh:
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """The best plan keeping every activation; when none fits (``recompute="auto"``), the
         best recomputing the cheap ops of every layer (selective), and then whole layers (full):
-        the memory each frees costs more forward work, so the first that fits is the fastest."""
+        the memory each frees costs more forward work, so the first that fits is the fastest.
+        When the plan keeping everything fills most of memory (:data:`MEMORY_BOUND`), memory
+        may have made it shard or move more than it would otherwise: the selective plan is
+        made too, and the faster of the two wins."""
+        auto = options.recompute == "auto" and bool(layer_order(graphs.full.graph))
         try:
-            return mesh_search(graphs, cluster, options).best()
+            kept = mesh_search(graphs, cluster, options).best()
         except AutoparError as exc:
-            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or options.recompute != "auto" or \
-                    not layer_order(graphs.full.graph):
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or not auto:
                 raise
             error = exc
+        else:
+            if not auto or kept.memory.total_bytes < MEMORY_BOUND * cluster.memory_limit_bytes:
+                return kept
+            log.info("the plan keeping every activation fills %s: trying selective recomputation too",
+                     format_bytes(kept.memory.total_bytes))
+            try:
+                selective = mesh_search(graphs, cluster, dataclasses.replace(options, recompute="selective")).best()
+            except AutoparError as exc:
+                if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                    raise
+                return kept
+            return selective if selective.predicted_step_s < kept.predicted_step_s else kept
         for mode in ("selective", "full"):
             log.info("no plan fits: trying with every layer recomputed (%s)", mode)
             try:
@@ -85,7 +105,8 @@ class OneMesh:
 def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
     """The one-mesh search of ``graphs``' full batch on ``cluster``, prepared once: the family's
     plan and the hand-written baselines every winner lists share its problems."""
-    return graphs.derived(("one_mesh", id(cluster), options), lambda: MeshSearch(graphs.full, cluster, options))
+    return graphs.derived(("one_mesh", id(cluster), options),
+                          lambda: MeshSearch(graphs.full, cluster, options, loss_on_outputs=True))
 
 
 def make_plan(captured: Captured, cluster: Cluster, options: PlanOptions, **kwargs) -> Plan:
@@ -103,8 +124,9 @@ class MeshSearch:
     configuration's plan instead of the optimum (to measure it, e.g.)."""
 
     def __init__(self, captured: Captured, cluster: Cluster, options: PlanOptions, *, activation_copies: int = 1,
-                 baselines: bool = True, annotate: bool = True) -> None:
+                 baselines: bool = True, annotate: bool = True, loss_on_outputs: bool = False) -> None:
         self.captured, self.cluster, self.options = captured, cluster, options
+        self.loss_on_outputs = loss_on_outputs
         self.activation_copies = activation_copies
         self.with_baselines = baselines and options.configuration is None
         self.start = time.perf_counter()
@@ -127,7 +149,8 @@ class MeshSearch:
     def _problem(self, mesh: MeshSpec, tables_whole: bool = False):
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
-                             recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None)
+                             recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None,
+                             loss_on_outputs=self.loss_on_outputs)
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:
@@ -305,7 +328,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     # the busiest table-wise owner's excess is master weights, gradients and states alike
     excess = table_excess // (2 + options.optimizer_states)
     memory = {"param": table_excess - excess * (1 + options.optimizer_states), "grad": excess,
-              "states": excess * options.optimizer_states, "act": 0}
+              "states": excess * options.optimizer_states, "act": 0, "act_kept": 0, "rerun_s": 0.0}
     for node in captured.graph.nodes:
         q = index.node_of.get(node.name)
         if q is None:
@@ -343,6 +366,13 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                 } for t in others),
                 memory_bytes=problem.node_memory[q][choice], exchange=chosen.exchange)
             memory["act"] += problem.node_memory[q][choice]
+            memory["act_kept"] += index.kept_without_recompute.get(q, problem.node_memory[q])[choice]
+            memory["rerun_s"] += index.rerun_s[q][choice] if q in index.rerun_s else 0.0
+    out = index.node_of[OUTPUT]
+    sink = index.strategies[out][solution.choice[out]]
+    memory["act"] += problem.node_memory[out][solution.choice[out]]  # the loss's fp32 copies (passes.node_memory)
+    memory["act_kept"] += problem.node_memory[out][solution.choice[out]]
+    outputs = () if all(is_replicated(spec) for spec in sink.inputs) else tuple(format_spec(s) for s in sink.inputs)
     sparse = sparse_tables(captured, nodes, parameters, mesh)
     experts = expert_layers(captured, parameters, nodes, mesh)
     sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
@@ -367,7 +397,9 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
         recompute=dict.fromkeys(layer_order(captured.graph), options.recompute)
         if options.recompute in ("full", "selective") else {},
-        experts=experts, comm_bytes=sent, timings=timings,
+        recompute_cost={"rerun_s": memory["rerun_s"], "activations_kept_bytes": memory["act_kept"]}
+        if options.recompute in ("full", "selective") else {},
+        experts=experts, comm_bytes=sent, timings=timings, outputs=outputs,
     )
 
 

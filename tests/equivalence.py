@@ -50,13 +50,20 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     options = dict(options)
     fraction = options.pop("memory_fraction", None)
     if fraction is not None:  # squeeze memory below the unconstrained plan's footprint to force sharding
-        limit = [None]
+        limit = [None, options.get("recompute")]
         if dist.get_rank() == 0:
-            ample = autopar.plan(model, inputs, cluster=options["cluster"], mesh_shape=options.get("mesh_shape"),
-                                 mixed_precision=options.get("mixed_precision"))
+            same = {"cluster": options["cluster"], "mesh_shape": options.get("mesh_shape"),
+                    "mixed_precision": options.get("mixed_precision")}
+            ample = autopar.plan(model, inputs, **same)
             limit[0] = int(fraction * ample.memory.total_bytes)
+            if limit[1] is None:  # met by sharding rather than by recomputing, where sharding alone fits
+                try:
+                    autopar.plan(model, inputs, **same, memory_limit=limit[0], recompute="none")
+                    limit[1] = "none"
+                except autopar.AutoparError:
+                    limit[1] = "auto"
         dist.broadcast_object_list(limit, src=0)
-        options["memory_limit"] = limit[0]
+        options["memory_limit"], options["recompute"] = limit
     pmodel = autopar.parallelize(model, inputs, **options)
     params = dict(pmodel.named_parameters(remove_duplicate=False))  # tied weights under every name
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
@@ -102,6 +109,7 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["compute_copies"] = code.count("compute_copy(")
     errors["fused_attention"] = code.count("local_attention(")
     errors["redistributes"] = code.count("redistribute(")
+    errors["checkpointed"] = code.count("checkpointed(")  # layers recomputed in backward
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})
     errors["zero"] = sum(p.zero for p in pmodel.plan.parameters.values())  # ZeRO-2 parameters
     errors["weight_gathers"] = code.count(".gather(")  # gathered again for backward (FSDP)
@@ -210,16 +218,34 @@ def check_contract() -> dict:
     return result
 
 
+# autograd nodes that only cast or view: a saved tensor reached from a parameter through these
+# alone is a working copy of a weight (mixed precision), not an activation
+_CAST_OR_VIEW = ("ToCopyBackward0", "PermuteBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0",
+                 "UnsafeViewBackward0", "AliasBackward0", "ExpandBackward0")
+
+
+def _weight_copy(t) -> bool:
+    fn = t.grad_fn
+    while fn is not None and type(fn).__name__ in _CAST_OR_VIEW:
+        nexts = [f for f, _ in fn.next_functions if f is not None]
+        if len(nexts) != 1:
+            return False
+        fn = nexts[0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
 def forward_saving(pmodel, *inputs):
     """``pmodel(*inputs)`` and the bytes autograd keeps for backward during it on this rank
-    (each storage once; the parameters' own storages left out)."""
+    (each storage once; the parameters' own storages and their cast working copies left out)."""
     weights = {p.to_local().untyped_storage().data_ptr() for p in pmodel.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t):
         local = t.to_local() if hasattr(t, "to_local") else t
         ptr = local.untyped_storage().data_ptr()
-        if ptr not in weights:
+        if ptr not in weights and not _weight_copy(t):
             seen[ptr] = max(seen.get(ptr, 0), local.untyped_storage().nbytes())
         return t
 

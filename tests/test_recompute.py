@@ -90,17 +90,25 @@ def test_options_and_reports_say_what_is_recomputed():
         autopar.plan(model, (x,), cluster="2xH100", recompute="some")
 
 
-def _saved_bytes(recompute: str) -> dict:
+def _saved_bytes(mode: str) -> dict:
     """Bytes autograd keeps for backward on rank 0 during one forward of the lowered model
-    (parameters left out), next to the plan's prediction."""
+    (parameters left out), next to the plan's prediction of them (its activations less the
+    loss's share, which the loss — not this forward — holds). ``mode``: the recompute mode,
+    with "-bf16" for bf16 mixed precision."""
     import models
+    from autopar.passes.node_memory import LOSS_BYTES_PER_ELEMENT
 
+    recompute, _, precision = mode.partition("-")
     torch.manual_seed(0)
     model, x = models.GPT(layers=4, d=64), torch.randint(0, 64, (8, 16))
-    pmodel = autopar.parallelize(model, (x,), recompute=recompute, configuration="ddp")
+    pmodel = autopar.parallelize(model, (x,), recompute=recompute, configuration="ddp",
+                                 mixed_precision=precision or None)
     out, measured = forward_saving(pmodel, x)
-    out.sum().backward()
-    return {"measured": measured, "predicted": pmodel.plan.memory.activations_bytes,
+    out.float().sum().backward()
+    rows = out.numel() // (2 if pmodel.plan.outputs else 1)  # the loss's share: this device's rows
+    element = 2 if precision else 4
+    loss = rows * (LOSS_BYTES_PER_ELEMENT - element)
+    return {"measured": measured, "predicted": pmodel.plan.memory.activations_bytes - loss,
             "checkpointed": pmodel.code.count("checkpointed(")}
 
 
@@ -110,8 +118,8 @@ def _saved_bytes_by_mode(modes: list[str]) -> dict:
 
 @pytest.mark.distributed
 def test_saved_activations_measured_against_the_model():
-    found = run_world(2, _saved_bytes_by_mode, ["none", "selective", "full"])
-    none, selective, full = found["none"], found["selective"], found["full"]
+    found = run_world(2, _saved_bytes_by_mode, ["none", "selective", "full", "none-bf16"])
+    none, selective, full, bf16 = found["none"], found["selective"], found["full"], found["none-bf16"]
     assert none["checkpointed"] == 0 and full["checkpointed"] == selective["checkpointed"] == 4
     # selective keeps the matmul and attention outputs: between the two in the model (what it
     # stores goes to the checkpoint's own cache, which saved-tensor hooks do not see)
@@ -119,6 +127,9 @@ def test_saved_activations_measured_against_the_model():
     assert full["measured"] < 0.5 * none["measured"] and full["predicted"] < 0.5 * none["predicted"]
     # everything kept: the memory model against what autograd keeps (measured 1.1% apart)
     assert abs(none["measured"] - none["predicted"]) <= 0.1 * none["predicted"], (none, full)
+    # and under bf16 mixed precision (activations in bf16, about half)
+    assert abs(bf16["measured"] - bf16["predicted"]) <= 0.1 * bf16["predicted"], (bf16, none)
+    assert bf16["measured"] < 0.6 * none["measured"], (bf16, none)
     # recomputed: forward keeps the layers' boundaries only; the prediction adds one layer's
     # activations, live in backward while that layer reruns (not saved in forward)
     one_layer = (none["predicted"] - full["measured"]) / 4
@@ -133,15 +144,35 @@ WORLD2 = [
 ]
 
 
-@pytest.mark.distributed
-def test_recomputed_layers_train_like_one_process():
+# four ranks: a 2x2 mesh under a memory limit (sharded both ways), and FSDP regathering its
+# weights inside the rerun layers
+WORLD4 = [
+    ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "4xH100", "mesh_shape": (2, 2), "recompute": "full",
+                                         "memory_fraction": 0.5}),
+    ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "4xcpu", "recompute": "selective", "configuration": "fsdp"}),
+]
+
+
+def _check_fp32(cases, results):
     """Recomputation changes no number: fp32 round-off bounds as in test_equivalence."""
-    results = run_world(2, run_cases, WORLD2)
-    for case, errors in zip(WORLD2, results, strict=True):
+    for case, errors in zip(cases, results, strict=True):
         for key in ("output", "loss", "grad"):
             assert errors[key] <= 1e-5, (case, key, errors)
         assert errors["param"] <= 2e-4 and errors["param_flat"] <= 3e-2, (case, errors)
         assert "missing_grad" not in errors, (case, errors)
+        assert errors["checkpointed"] > 0, (case, errors)
+
+
+@pytest.mark.distributed
+def test_recomputed_layers_train_like_one_process():
+    _check_fp32(WORLD2, run_world(2, run_cases, WORLD2))
+
+
+@pytest.mark.distributed
+def test_recomputed_layers_train_like_one_process_on_four_ranks():
+    results = run_world(4, run_cases, WORLD4)
+    _check_fp32(WORLD4, results)
+    assert any("Shard" in p for p in results[0]["placements"]), results[0]
 
 
 def test_plan_reports_what_recomputation_costs_and_saves():

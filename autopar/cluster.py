@@ -14,17 +14,39 @@ True
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import networkx as nx
 
-from autopar.devices import DeviceSpec, Link, get_device
+from autopar.devices import MAX_DEVICES, DeviceSpec, Link, check_device_count, get_device
 from autopar.errors import AutoparError, ErrorKind
 
 
 _SHORTHAND = re.compile(r"^\s*(?:(\d+)\s*x\s*)?(\d+)\s*x\s*([A-Za-z][\w.\-]*)\s*$")
+
+
+MAX_MEMORY_BYTES = 2 ** 60  # an exbibyte per device: beyond any device, still exact as a float
+
+
+def checked_memory_limit(value) -> int:
+    """A memory limit in bytes per device as an int: a finite positive number up to
+    :data:`MAX_MEMORY_BYTES` (``nan``, ``inf`` and ``1e300`` are refused, not overflowed)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AutoparError(ErrorKind.BAD_CLUSTER, f"memory limit must be a number of bytes, got "
+                           f"{type(value).__name__} {value!r}; pass e.g. memory_limit=8e9")
+    if not math.isfinite(value):
+        raise AutoparError(ErrorKind.BAD_CLUSTER,
+                           f"memory limit must be a finite number of bytes, got {value}; pass e.g. memory_limit=8e9")
+    if value < 1:
+        raise AutoparError(ErrorKind.BAD_CLUSTER,
+                           f"memory limit must be positive, got {value} bytes; pass e.g. memory_limit=8e9")
+    if value > MAX_MEMORY_BYTES:
+        raise AutoparError(ErrorKind.BAD_CLUSTER, f"memory limit {value:g} bytes is beyond any device (at most "
+                           f"{MAX_MEMORY_BYTES:.3g} bytes per device); give bytes, e.g. memory_limit=8e9")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -50,9 +72,7 @@ class Cluster:
         if isinstance(spec, Cluster):
             if memory_limit_bytes is None:
                 return spec
-            if memory_limit_bytes <= 0:
-                raise AutoparError(ErrorKind.BAD_CLUSTER, f"memory limit must be positive, got {memory_limit_bytes} bytes")
-            return dataclasses.replace(spec, memory_limit_bytes=int(memory_limit_bytes))
+            return dataclasses.replace(spec, memory_limit_bytes=checked_memory_limit(memory_limit_bytes))
         if isinstance(spec, str) and spec.strip().endswith((".yaml", ".yml")):
             from autopar.cluster_file import load_cluster_file
 
@@ -67,8 +87,13 @@ class Cluster:
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"cannot parse cluster {spec!r}; write 'NxDEVICE' (e.g. '8xH100') "
                                "or 'HOSTSxGPUSxDEVICE' (e.g. '2x8xA100-80GB')")
+        if max(len(match.group(1) or ""), len(match.group(2))) > 9:  # before int(): 10^9 of either is too many
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"cluster {spec if len(spec) <= 40 else spec[:40] + '…'!r} has more than "
+                               f"{MAX_DEVICES:,} devices, the most autopar plans: check the host and device counts")
         hosts = int(match.group(1)) if match.group(1) else 1
         per_host = int(match.group(2))
+        check_device_count(hosts * per_host, f"cluster {spec!r}")
         if hosts < 1 or per_host < 1:
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"cluster {spec!r} has {hosts * per_host} devices; it needs at least one")
@@ -77,10 +102,8 @@ class Cluster:
     @classmethod
     def homogeneous(cls, device: DeviceSpec, hosts: int, per_host: int,
                     memory_limit_bytes: int | None = None) -> "Cluster":
-        limit = device.memory_bytes if memory_limit_bytes is None else int(memory_limit_bytes)
-        if limit <= 0:
-            raise AutoparError(ErrorKind.BAD_CLUSTER,
-                               f"memory limit must be positive, got {limit} bytes; pass e.g. memory_limit=8e9")
+        check_device_count(hosts * per_host, f"a cluster of {hosts} x {per_host} {device.name}")
+        limit = device.memory_bytes if memory_limit_bytes is None else checked_memory_limit(memory_limit_bytes)
         return cls(device=device, hosts=hosts, devices_per_host=per_host,
                    intra_link=Link.of_device(device, inter_node=False),
                    inter_link=Link.of_device(device, inter_node=True),

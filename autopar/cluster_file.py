@@ -22,10 +22,11 @@ import dataclasses
 
 import yaml
 
-from autopar.devices import COLLECTIVES, OP_CLASSES, DeviceSpec, Link, get_device
+from autopar.devices import COLLECTIVES, OP_CLASSES, DeviceSpec, Link, check_device_count, get_device
 from autopar.errors import AutoparError, ErrorKind
 
 GB = 10**9
+MAX_FILE_BYTES = 1 << 20  # a cluster file is a few lines; a larger one is not one
 _REGION_KEYS = {"device", "nodes", "per_node", "intra_node", "inter_node", "memory_reserve_GB"}
 
 
@@ -47,19 +48,50 @@ def _lines(node, path=()) -> dict[tuple, int]:
 
 
 def load_cluster_file(path: str) -> dict:
+    """The fields of the cluster file at ``path``. Read strictly: at most :data:`MAX_FILE_BYTES`,
+    no anchors or aliases (a cluster file needs none, and nested aliases expand
+    exponentially), no key given twice in one mapping (YAML would keep the last silently)."""
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise AutoparError(ErrorKind.BAD_CLUSTER, f"cannot read cluster file {path!r}: {exc.strerror}") from exc
+    if len(raw) > MAX_FILE_BYTES:
+        raise _fail(path, f"larger than {MAX_FILE_BYTES:,} bytes; a cluster file describes regions and links in a "
+                    "few lines")
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _fail(path, f"not UTF-8 text (byte {exc.start}); a cluster file is YAML") from exc
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise _fail(f"{path}:{event.start_mark.line + 1}", "YAML anchors and aliases (&name, *name) are not "
+                            "allowed in a cluster file; write each value out")
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        _no_duplicate_keys(root, path)
         data = yaml.safe_load(text)
-        lines = _lines(yaml.compose(text)) if data is not None else {}
+        lines = _lines(root) if data is not None else {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
         raise _fail(where, f"not valid YAML ({getattr(exc, 'problem', exc)})") from exc
     return parse_cluster(data, path, lines)
+
+
+def _no_duplicate_keys(node, path: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            line = key.start_mark.line + 1
+            if key.value in seen:
+                raise _fail(f"{path}:{line}", f"key {key.value!r} appears twice in one mapping (first on line "
+                            f"{seen[key.value]}); YAML would keep only the last: merge them or rename one")
+            seen[key.value] = line
+            _no_duplicate_keys(value, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _no_duplicate_keys(item, path)
 
 
 def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) -> dict:
@@ -82,6 +114,7 @@ def parse_cluster(data, source: str = "<cluster>", lines: dict | None = None) ->
         specs = {name: _region(spec, where, ("regions", name), custom) for name, spec in regions.items()}
     else:
         specs = {"default": _region(data, where, (), custom)}
+    check_device_count(sum(s["nodes"] * s["per_node"] for s in specs.values()), f"cluster file {source}")
     per_node = {s["per_node"] for s in specs.values()}
     if len(per_node) > 1:
         raise _fail(where("regions"), f"regions have different node sizes (per_node {sorted(per_node)}); ranks "

@@ -216,3 +216,16 @@ def get_device(name: str) -> DeviceSpec:
         known = ", ".join(sorted({s.name for s in CATALOG}))
         raise AutoparError(ErrorKind.BAD_CLUSTER, f"unknown device {name!r}; known devices: {known}")
     return spec
+
+
+# the largest cluster autopar plans: far above any built (10^6 devices is still one someone may
+# plan), low enough that counts are refused before anything is allocated per device
+MAX_DEVICES = 2 ** 24
+
+
+def check_device_count(devices: int, source: str) -> None:
+    """Refuse a cluster with more than :data:`MAX_DEVICES` devices, naming where it came from."""
+    if devices > MAX_DEVICES:
+        raise AutoparError(ErrorKind.BAD_CLUSTER,
+                           f"{source} has {devices:,} devices; autopar plans clusters of at most {MAX_DEVICES:,} "
+                           "devices: check the host and device counts")

@@ -296,11 +296,15 @@ class Plan:
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> "Plan":
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,
                                f"{source} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
                                f"(byte {exc.pos}); re-create it with `autopar.plan(...).save(path)`") from exc
+        except _DuplicateKey as exc:
+            raise AutoparError(ErrorKind.BAD_PLAN,
+                               f"{source}: key {exc.args[0]!r} appears twice in one object (JSON readers keep only "
+                               "one, silently); re-create the plan with `autopar.plan(...).save(path)`") from exc
         if not isinstance(d, dict):
             raise AutoparError(ErrorKind.BAD_PLAN, f"{source} holds a JSON {type(d).__name__}, not a plan object")
         version = d.get("schema_version")
@@ -342,6 +346,19 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, self.to_json())
+
+
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKey(key)
+        found[key] = value
+    return found
 
 
 def _check_placements(plan: Plan, source: str) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.placements import owned_dim
+from autopar.placements import is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
 from autopar.units import format_bytes, format_seconds
 
@@ -346,9 +346,11 @@ def diff(a: Plan, b: Plan) -> dict:
     params = {fqn: {"from": a.parameters[fqn].placement if fqn in a.parameters else None,
                     "to": b.parameters[fqn].placement if fqn in b.parameters else None}
               for fqn in sorted(set(a.parameters) | set(b.parameters))
-              if (a.parameters.get(fqn) and a.parameters[fqn].placement) != (b.parameters.get(fqn) and b.parameters[fqn].placement)}
+              if not _same_placement(a.parameters.get(fqn) and a.parameters[fqn].placement,
+                                     b.parameters.get(fqn) and b.parameters[fqn].placement)}
     nodes = sorted(n for n in set(a.nodes) | set(b.nodes)
-                   if (a.nodes.get(n) and a.nodes[n].outputs) != (b.nodes.get(n) and b.nodes[n].outputs))
+                   if not (n in a.nodes and n in b.nodes and len(a.nodes[n].outputs) == len(b.nodes[n].outputs)
+                           and all(map(_same_placement, a.nodes[n].outputs, b.nodes[n].outputs))))
     return {
         "same_model": a.fingerprint == b.fingerprint,
         "cluster": {"from": a.cluster["spec"], "to": b.cluster["spec"]},
@@ -360,6 +362,15 @@ def diff(a: Plan, b: Plan) -> dict:
         "parameters_changed": params,
         "nodes_changed": nodes,
     }
+
+
+def _same_placement(x: str | None, y: str | None) -> bool:
+    """Whether two placements mean the same, across meshes of different shapes: equal, or
+    both whole on every device (``R`` on a 1-D mesh and ``R,R`` on a 2-D one)."""
+    if x is None or y is None:
+        return x is y
+    a, b = parse_spec(x), parse_spec(y)
+    return a == b or (is_replicated(a) and is_replicated(b))
 
 
 def diff_text(d: dict) -> str:

@@ -147,6 +147,8 @@ CASES = [
     ("JSON that is not an object", ErrorKind.BAD_PLAN, ["holds a JSON list"], lambda t: _load(t, "[1, 2]")),
     ("plan from a newer autopar", ErrorKind.BAD_PLAN, ["schema version 99", "upgrade autopar"],
      lambda t: _load(t, _edit(lambda d: d.update(schema_version=99))())),
+    ("plan with a key twice", ErrorKind.BAD_PLAN, ["'family' appears twice"],
+     lambda t: _load(t, _valid_plan_text().replace('"family":', '"family": "one_mesh", "family":', 1))),
     ("plan missing a field", ErrorKind.BAD_PLAN, ["'nodes'"], lambda t: _load(t, _edit(lambda d: d.pop("nodes"))())),
     ("plan with a malformed node", ErrorKind.BAD_PLAN, ["not a complete autopar plan"],
      lambda t: _load(t, _edit(lambda d: d["nodes"].update(bad={"op": "x"}))())),
@@ -158,6 +160,26 @@ CASES = [
      lambda t: _cluster_file(t, "regions:\n  us: {device: H100, nodes: 1, per_node: 2}\n"
                                 "  eu: {device: H100, nodes: 1, per_node: 2}\n")),
     ("cluster YAML that is a list", ErrorKind.BAD_CLUSTER, ["cluster.yaml"], lambda t: _cluster_file(t, "- 1\n- 2\n")),
+    # resource exhaustion: refused before anything is built (issue 25)
+    ("cluster YAML alias bomb", ErrorKind.BAD_CLUSTER, ["cluster.yaml:1", "anchors and aliases"],
+     lambda t: _cluster_file(t, 'a: &a ["x", "x"]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n'
+                                "c: [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n")),
+    ("cluster YAML region given twice", ErrorKind.BAD_CLUSTER, ["cluster.yaml:3", "'us' appears twice", "line 2"],
+     lambda t: _cluster_file(t, "regions:\n  us: {device: H100, nodes: 1, per_node: 8}\n"
+                                "  us: {device: H100, nodes: 2, per_node: 8}\n")),
+    ("cluster YAML of a billion devices", ErrorKind.BAD_CLUSTER, ["1,000,000,000 devices", "at most 16,777,216"],
+     lambda t: _cluster_file(t, "device: H100\nnodes: 1000000\nper_node: 1000\n")),
+    ("cluster YAML too large", ErrorKind.BAD_CLUSTER, ["larger than 1,048,576 bytes"],
+     lambda t: _cluster_file(t, "# " + "x" * (1 << 20) + "\ndevice: H100\nnodes: 1\nper_node: 8\n")),
+    ("memory limit nan", ErrorKind.BAD_CLUSTER, ["finite number of bytes", "nan"],
+     lambda t: _mlp_plan(cluster="2xH100", memory_limit=float("nan"))),
+    ("memory limit 1e300", ErrorKind.BAD_CLUSTER, ["1e+300 bytes is beyond any device"],
+     lambda t: _mlp_plan(cluster="2xH100", memory_limit=1e300)),
+    ("memory limit as text", ErrorKind.BAD_CLUSTER, ["must be a number of bytes", "str"],
+     lambda t: _mlp_plan(cluster="2xH100", memory_limit="8GB")),
+    ("a trillion devices", ErrorKind.BAD_CLUSTER, ["16,777,216"], lambda t: _mlp_plan(cluster="1000000000000xH100")),
+    ("a device count of 5000 digits", ErrorKind.BAD_CLUSTER, ["more than 16,777,216 devices"],
+     lambda t: _mlp_plan(cluster="9" * 5000 + "xH100")),
 ]
 
 

@@ -10,7 +10,7 @@ import torch
 
 import autopar
 from autopar.plan import Plan
-from models import GPT
+from models import GPT, MLP
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +111,17 @@ def test_layer_groups_merge_identical_consecutive_layers():
     groups = [g["layers"] for g in layer_groups(plan)]
     assert "blocks.0-3" in groups  # identical layers get identical placements (they share variables)
     assert groups.index("tok") < groups.index("blocks.0-3") < groups.index("head")
+
+
+def test_diff_compares_placements_by_meaning():
+    """Replicated on a 1-D mesh and on a 2-D one is no change; a shard is."""
+    import dataclasses
+
+    from autopar.report import diff
+
+    plan = autopar.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100", configuration="ddp")
+    whole = {k: dataclasses.replace(v, placement="R,R") for k, v in plan.parameters.items()}
+    assert diff(plan, dataclasses.replace(plan, parameters=whole))["parameters_changed"] == {}
+    first = next(iter(plan.parameters))
+    split = {**whole, first: dataclasses.replace(whole[first], placement="S(0),R")}
+    assert list(diff(plan, dataclasses.replace(plan, parameters=split))["parameters_changed"]) == [first]

@@ -1,0 +1,108 @@
+"""Fuzzing the input boundaries (issue 25): random and mutated cluster strings, memory limits,
+cluster files and plan files get a typed AutoparError or a valid result — never another
+exception type, never a hang (hypothesis' deadline bounds each example)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar import AutoparError
+from autopar.cluster import Cluster
+
+FAST = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+DEVICES = ["H100", "A100-80GB", "cpu", "h100", "H1000", "", "x", "H100-SXM"]
+
+
+def _cluster_or_error(spec, limit=None):
+    try:
+        cluster = Cluster.from_spec(spec, memory_limit_bytes=limit)
+    except AutoparError:
+        return None
+    assert 1 <= cluster.num_devices and cluster.memory_limit_bytes > 0
+    return cluster
+
+
+@FAST
+@given(st.one_of(
+    st.text(max_size=40),
+    st.builds(lambda h, g, d, sep: f"{h}{sep}{g}{sep}{d}", st.integers(-5, 10 ** 15).map(str) | st.text("0123456789",
+              max_size=30), st.integers(-5, 10 ** 15).map(str), st.sampled_from(DEVICES), st.sampled_from(["x", " x ", "X"])),
+    st.builds(lambda n, d: f"{n}x{d}", st.text("0123456789", min_size=1, max_size=5000), st.sampled_from(DEVICES)),
+))
+def test_cluster_strings(spec):
+    _cluster_or_error(spec)
+
+
+@FAST
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10 ** 30, 10 ** 30),
+                 st.text(max_size=8), st.booleans(), st.none()))
+def test_memory_limits(limit):
+    cluster = _cluster_or_error("2xH100", limit)
+    if cluster is not None and limit is not None:
+        assert math.isfinite(float(limit)) and cluster.memory_limit_bytes == int(limit)
+
+
+_KEYS = ["device", "nodes", "per_node", "regions", "links", "devices", "intra_node", "inter_node",
+         "memory_reserve_GB", "bandwidth_GBps", "latency_us", "us", "eu", "between"]
+_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-3, 10 ** 13), st.floats(allow_nan=True), st.sampled_from(DEVICES),
+              st.text(max_size=6)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=4),
+    max_leaves=12)
+
+
+@FAST
+@given(_VALUES, st.sampled_from(["json", "text"]))
+def test_cluster_files(tmp_path_factory, data, form):
+    path = tmp_path_factory.mktemp("cluster") / "cluster.yaml"
+    text = json.dumps(data) if form == "json" else str(data)  # JSON is YAML; str() gives near-YAML noise
+    path.write_text(text)
+    _cluster_or_error(str(path))
+
+
+def _plan_dict() -> dict:
+    import torch
+
+    from models import MLP
+
+    if not hasattr(_plan_dict, "text"):
+        _plan_dict.text = autopar.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100").to_json()
+    return json.loads(_plan_dict.text)
+
+
+def _paths(d, prefix=()):
+    """Every key path of a JSON document."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else ()
+    for key, value in items:
+        yield prefix + (key,)
+        yield from _paths(value, prefix + (key,))
+
+
+@FAST
+@given(st.data())
+def test_mutated_plan_files(tmp_path_factory, data):
+    plan = _plan_dict()
+    paths = list(_paths(plan))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        parent = plan
+        try:
+            for key in path[:-1]:
+                parent = parent[key]
+            if data.draw(st.booleans()) and isinstance(parent, dict):
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = data.draw(_VALUES)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier mutation removed or replaced the way there
+    file = tmp_path_factory.mktemp("plan") / "plan.json"
+    file.write_text(json.dumps(plan))
+    try:
+        autopar.load_plan(str(file))
+    except AutoparError:
+        pass

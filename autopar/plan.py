@@ -22,6 +22,7 @@ from typing import Any
 
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
+from autopar.plan_types import check_plan_types
 
 SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -338,9 +339,10 @@ class Plan:
                 family=d["family"],
                 families=d["families"], schema_version=version,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise AutoparError(ErrorKind.BAD_PLAN,
                                f"{source} is not a complete autopar plan: field {exc} is missing or malformed") from exc
+        check_plan_types(plan, source)
         _check_placements(plan, source)
         return plan
 

@@ -51,7 +51,7 @@ from models import MLP
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "cluster_file", "mesh", "comm", "plan",
-                                  "problem", "placements")}
+                                  "plan_types", "problem", "placements")}
 OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",

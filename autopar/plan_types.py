@@ -1,0 +1,143 @@
+"""Checks that a plan read from a file holds values of the types its fields declare.
+
+A hand-edited or corrupted plan file must fail where it is read, naming the field — not later
+inside ``show``, ``explain`` or lowering with a Python error about a ``NoneType``. The check
+follows the dataclasses' own annotations (``Plan``, ``NodePlan``, ``ParameterPlan``, ...); the
+free-form dictionaries reports read are checked for the keys they read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, Union
+
+from autopar.devices import MAX_DEVICES
+from autopar.errors import AutoparError, ErrorKind
+
+_NUMBER = (int, float)
+
+
+def check_plan_types(plan, source: str) -> None:
+    """Raise BAD_PLAN naming the first field of ``plan`` whose value has the wrong type."""
+    _check_dataclass(plan, "", source)
+    _need(plan.cluster, {"spec": str, "memory_limit_bytes": int}, "cluster", source)
+    _need(plan.solver, {"status": str, "objective_s": _NUMBER, "bound_s": _NUMBER}, "solver", source)
+    devices = 1
+    for size in plan.mesh_shape:
+        if size < 1:
+            _fail(source, "mesh_shape", "positive sizes", list(plan.mesh_shape))
+        devices *= size
+    if devices > MAX_DEVICES:
+        _fail(source, "mesh_shape", f"at most {MAX_DEVICES:,} devices in all", list(plan.mesh_shape))
+    if plan.work:
+        _need(plan.work, {"flops_per_step": _NUMBER, "flops_dtype": str, "peak_flops_per_s": _NUMBER,
+                          "devices": int}, "work", source)
+        _need(plan.work, {"tokens_per_step": (*_NUMBER, type(None))}, "work", source, optional=True)
+        if plan.work["peak_flops_per_s"] <= 0 or plan.work["devices"] < 1:
+            _fail(source, "work", "a positive peak and device count", plan.work)
+    if plan.recompute_cost:
+        _need(plan.recompute_cost, {"rerun_s": _NUMBER, "activations_kept_bytes": _NUMBER}, "recompute_cost", source)
+    for name, node in plan.nodes.items():
+        for k, alternative in enumerate(node.alternatives):
+            if not isinstance(alternative, dict):
+                _fail(source, f"nodes.{name}.alternatives[{k}]", "an object", alternative)
+            _need(alternative, {"outputs": list, "inputs": list, "compute_s": _NUMBER, "reshard_s": _NUMBER,
+                                "memory_delta_bytes": int}, f"nodes.{name}.alternatives[{k}]", source)
+    for name, row in {**plan.baselines, **plan.families}.items():
+        if not isinstance(row, dict):
+            _fail(source, f"baselines/families.{name}", "an object", row)
+        _need(row, {"predicted_step_s": (*_NUMBER, type(None)), "memory_bytes": (int, type(None)),
+                    "feasible": bool, "reason": str, "skipped": (str, type(None))},
+              f"baselines/families.{name}", source, optional=True)
+
+
+def _fail(source: str, where: str, wanted: str, value) -> typing.NoReturn:
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: field {where} should be {wanted}, not {shown}; re-create "
+                       "the plan with `autopar.plan(...).save(path)`")
+
+
+def _need(mapping: dict, keys: dict[str, type | tuple], where: str, source: str, optional: bool = False) -> None:
+    for key, wanted in keys.items():
+        if key not in mapping:
+            if optional:
+                continue
+            _fail(source, f"{where}.{key}", "present", None)
+        value = mapping[key]
+        if isinstance(value, bool) and bool not in (wanted if isinstance(wanted, tuple) else (wanted,)) \
+                or not isinstance(value, wanted) or isinstance(value, float) and not math.isfinite(value):
+            _fail(source, f"{where}.{key}", _name(wanted), value)
+
+
+def _name(wanted) -> str:
+    kinds = wanted if isinstance(wanted, tuple) else (wanted,)
+    return " or ".join("null" if k is type(None) else "a number" if k in _NUMBER else f"a {k.__name__}"
+                       for k in dict.fromkeys(float if k is int and float in kinds else k for k in kinds))
+
+
+def _check_dataclass(obj, where: str, source: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for field in dataclasses.fields(obj):
+        if field.name == "timings":  # not serialised
+            continue
+        _check(getattr(obj, field.name), hints[field.name], f"{where}{field.name}", source)
+
+
+def _check(value, hint, where: str, source: str) -> None:
+    if hint is Any:
+        return
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        for option in args:
+            try:
+                _check(value, option, where, source)
+                return
+            except AutoparError:
+                continue
+        _fail(source, where, " or ".join(_hint_name(a) for a in args), value)
+    if hint is type(None):
+        if value is not None:
+            _fail(source, where, "null", value)
+        return
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, hint):
+            _fail(source, where, f"a {hint.__name__}", value)
+        _check_dataclass(value, f"{where}.", source)
+        return
+    if origin in (tuple, list):
+        if not isinstance(value, (tuple, list)):
+            _fail(source, where, "a list", value)
+        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+            args = (args[0],) * len(value)
+        elif origin is list:
+            args = (args[0],) * len(value) if args else ()
+        if args and len(args) != len(value):
+            _fail(source, where, f"a list of {len(args)}", value)
+        for k, (item, item_hint) in enumerate(zip(value, args)):
+            _check(item, item_hint, f"{where}[{k}]", source)
+        return
+    if origin is dict:
+        if not isinstance(value, dict):
+            _fail(source, where, "an object", value)
+        for key, item in value.items():
+            if args:
+                _check(key, args[0], f"{where} key", source)
+                _check(item, args[1], f"{where}.{key}", source)
+        return
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, _NUMBER) or not math.isfinite(value):
+            _fail(source, where, "a finite number", value)
+        return
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(source, where, "an integer", value)
+        return
+    if isinstance(hint, type) and (not isinstance(value, hint) or hint is not bool and isinstance(value, bool)):
+        _fail(source, where, f"a {hint.__name__}", value)
+
+
+def _hint_name(hint) -> str:
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))

@@ -21,6 +21,18 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def _reset_peak() -> None:
+    """Start the peak RSS (VmHWM) over from now, so planning's own peak before it does not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
 def equals_cpu_model(configuration: str) -> dict:
     """A meta model applied with a plan gives the outputs and gradients of the same model built
     on CPU with the same seed (the modules draw their weights in the same order)."""
@@ -52,9 +64,10 @@ def peak_apply_bytes(hidden: int, layers: int) -> dict:
         meta = models.MLP(hidden, hidden, hidden, layers=layers)
     plan = autopar.plan(meta, (torch.empty(8, hidden, device="meta"),), cluster=f"{dist.get_world_size()}xcpu",
                         configuration="fsdp")
+    _reset_peak()
     before = _rss_bytes()
     pmodel = autopar.apply(meta, plan)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = _peak_bytes() - before
     local = sum(p.to_local().numel() * 4 for p in pmodel.parameters())
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak)

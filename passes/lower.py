@@ -39,7 +39,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured, compute_dtype_of
-from autopar.passes.cost import FUSED_ATTENTION
+from autopar.passes.cost import FUSED_ATTENTION, is_view_op
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
 from autopar.passes.recompute import checkpoint_layers
@@ -284,16 +284,16 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         if node.op == "get_attr" and node.name not in (mesh_node.name, gathers.name):
             pplan = plan.parameters.get(node.target)
             produced[node.name] = pl.format_spec(pplan.state_spec) if pplan else replicated
-            last = node
+            chain = [node]  # the weight as read, cast for compute, gathered once (ZeRO-2)
             if compute_dtype is not None and pplan:
-                last = _insert_after(graph, last, runtime.compute_copy, (last, compute_dtype))
-                produced[last.name] = produced[node.name]
+                chain.append(_insert_after(graph, chain[-1], runtime.compute_copy, (chain[-1], compute_dtype)))
+                produced[chain[-1].name] = produced[node.name]
             if pplan and pplan.zero:  # ZeRO-2: gathered once for use, kept until backward
-                last = _insert_after(graph, last, runtime.redistribute, (last, mesh_node, pplan.placement))
-                produced[last.name] = pplan.placement
+                chain.append(_insert_after(graph, chain[-1], runtime.redistribute,
+                                           (chain[-1], mesh_node, pplan.placement)))
+                produced[chain[-1].name] = pplan.placement
             if pplan:
-                weights.update((node.name, last.name))
-                weights.update(n.name for n in _between(node, last))
+                weights.update(n.name for n in chain)
         if node.target is relabel_experts:  # keeps its input's placement
             produced[node.name] = produced.get(node.args[0].name)
         if node.op != "call_function" or node.target in _RUNTIME_FUNCS:
@@ -319,7 +319,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                     moved.meta["val"] = arg.meta.get("val")
                 produced[moved.name] = want
                 node.replace_input_with(arg, moved)
-        if _is_view(node.target) and any(a.name in weights for a in tensor_args_of(node)[:1]):
+        if is_view_op(node) and any(a.name in weights for a in tensor_args_of(node)[:1]):
             weights.add(node.name)
         if node.target is torch.ops.aten.stack.default and any(
                 pl.owned_dim(nplan.input_spec(k)) is not None for k in range(len(nplan.inputs))):
@@ -381,24 +381,6 @@ _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redist
 def _gathers(have: str | None, want: str) -> bool:
     """Whether resharding ``have`` to ``want`` gathers a sharded dim whole."""
     return have is not None and any(a.is_shard and b is pl.R for a, b in zip(pl.parse_spec(have), pl.parse_spec(want)))
-
-
-def _is_view(target) -> bool:
-    """An aten op whose output aliases its input (a view: transpose, reshape's view, ...)."""
-    schema = getattr(target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
-
-
-def _between(first: torch.fx.Node, last: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes after ``first`` up to ``last`` (inserted one after the other)."""
-    out, node = [], first
-    while node is not last:
-        node = node.next
-        out.append(node)
-    return out
 
 
 def tensor_args_of(node: torch.fx.Node) -> list[torch.fx.Node]:

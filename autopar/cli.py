@@ -26,6 +26,7 @@ EXAMPLES = {
     "validate": "autopar validate plan.json examples.gpt:build",
     "diff": "autopar diff plan-8xH100.json plan-2x8xH100.json\nautopar diff a.json b.json --json",
     "profile": "autopar profile --out cpu.yaml\nautopar plan examples.gpt:build --cluster cpu.yaml",
+    "checkpoint": "autopar checkpoint convert ckpt/step-1000 model.pt\nautopar checkpoint convert model.pt ckpt/start",
 }
 
 _INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
@@ -66,7 +67,11 @@ def _load_model(target: str, trust_pickle: bool):
     if target.endswith(".pt2"):
         if not os.path.exists(target):
             raise UsageError(f"model file {target!r} does not exist")
-        program = torch.export.load(target)
+        try:
+            program = torch.export.load(target)
+        except Exception as exc:  # torch raises zipfile's, its stream reader's and pickle's errors here
+            raise UsageError(f"cannot load {target}: it is not a readable torch.export archive "
+                             f"({type(exc).__name__}: {_first_line(exc)}); save one with torch.export.save(...)") from exc
         return program.module(), tuple(program.example_inputs[0]) if program.example_inputs else None
     if target.endswith((".pt", ".pth")):
         if not os.path.exists(target):
@@ -78,6 +83,9 @@ def _load_model(target: str, trust_pickle: bool):
             model = torch.load(target, weights_only=False)
         except (ImportError, AttributeError) as exc:
             raise UsageError(f"cannot unpickle {target}: {exc}; run autopar where the model's code is importable") from exc
+        except Exception as exc:  # a truncated or foreign file: zipfile's, pickle's, torch's errors
+            raise UsageError(f"cannot load {target}: it is not a readable torch.save file "
+                             f"({type(exc).__name__}: {_first_line(exc)})") from exc
         return model, None
     if ":" not in target:
         raise UsageError(f"cannot load model {target!r}: give a .pt2/.pt file or package.module:factory")
@@ -86,10 +94,49 @@ def _load_model(target: str, trust_pickle: bool):
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as exc:
         raise UsageError(f"cannot import {target!r}: {exc}") from exc
-    made = factory()
+    except SyntaxError as exc:
+        raise UsageError(f"cannot import {target!r}: syntax error in {exc.filename}, line {exc.lineno}: "
+                         f"{exc.msg}") from exc
+    except Exception as exc:  # the module's own code failed while importing
+        raise UsageError(f"cannot import {target!r}: importing {module_name} raised {type(exc).__name__}: "
+                         f"{_first_line(exc)}") from exc
+    if not callable(factory):
+        raise UsageError(f"{target!r}: {factory_name} is of type {type(factory).__name__}, not a function that "
+                         "returns a model (or (model, example inputs))")
+    try:
+        made = factory()
+    except AutoparError:
+        raise
+    except Exception as exc:  # the user's factory failed: their error, with its line
+        raise UsageError(f"the factory {target!r} raised {type(exc).__name__}: {_first_line(exc)} "
+                         f"(at {_last_frame(exc)}); rerun with --debug for its traceback") from exc
     if isinstance(made, tuple) and len(made) == 2:
         return made[0], tuple(made[1])
     return made, None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def _last_frame(exc: BaseException) -> str:
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
+
+
+def _writable_output(path: str | None) -> None:
+    """Refuse an output path that cannot be written before any work is done."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"output {path} is a folder; give a file path, e.g. {os.path.join(path, 'plan.json')}")
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {path}: folder {folder} is not writable")
 
 
 def summary_json(plan) -> dict:
@@ -176,15 +223,16 @@ def _cmd_plan(args) -> int:
     import autopar
     from autopar.report import summary
 
+    _writable_output(args.output)
     with _progress(f"loading {args.model}"):
         model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
         plan = _plan_for_cli(autopar, args, model, inputs)
-    if args.output:
-        plan.save(args.output)
     result = summary_json(plan)
     if args.batch_size:  # the plan re-costed from its formulas: no re-tracing
         result["batch_sweep"] = [{"batch_size": b, "predicted_step_s": plan.predict(b),
                                   "samples_per_s": b / plan.predict(b)} for b in args.batch_size]
+    if args.output:  # last: a command that fails writes nothing
+        plan.save(args.output)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -202,7 +250,7 @@ def _plan_for_cli(autopar, args, model, inputs):
                         pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
-                        batch_split=tuple(int(b) for b in args.batch_split.split(",")) if args.batch_split else None,
+                        batch_split=args.batch_split,
                         symbolic=bool(args.batch_size), mixed_precision=args.precision,
                         recompute=args.recompute)
 
@@ -211,6 +259,7 @@ def _cmd_show(args) -> int:
     import autopar
     from autopar.report import summary
 
+    _writable_output(args.html)
     plan = autopar.load_plan(args.plan)
     if args.html:
         from autopar.html_report import write
@@ -284,11 +333,19 @@ def _cmd_profile(args) -> int:
 
     if args.world < 1:
         raise UsageError(f"--world must be at least 1, got {args.world}")
+    _writable_output(args.out)
     content = write_profile(args.out, args.world, args.quick)
     name, device = next(iter(content["devices"].items()))
     print(f"wrote {args.out}: {args.world}x{name}: fp32 {device['peak_TFLOPS']['fp32'] * 1e3:.1f} GFLOP/s, "
           f"bf16 {device['peak_TFLOPS']['bf16'] * 1e3:.1f} GFLOP/s, memory {device['memory_bandwidth_GBps']} GB/s, "
           f"link {device['intra_node']['bandwidth_GBps']} GB/s + {device['intra_node']['latency_us']} us")
+    return 0
+
+
+def _cmd_checkpoint(args) -> int:
+    from autopar.checkpoint import convert
+
+    print(convert(args.source, args.destination))
     return 0
 
 
@@ -302,6 +359,17 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _rows_per_region(text: str) -> tuple[int, ...]:
+    try:
+        rows = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of row counts, one per region, "
+                                         "e.g. 6,2")
+    if any(b < 0 for b in rows):
+        raise argparse.ArgumentTypeError(f"row counts cannot be negative, got {text!r}")
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,6 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         sub_parser.add_argument("-v", "--verbose", action="store_true",
                                 help="log the planner's phases (capture, each mesh's solve, timings) to stderr")
+        sub_parser.add_argument("--debug", action="store_true",
+                                help="show the Python traceback of an internal error (also: AUTOPAR_DEBUG=1)")
         return sub_parser
 
     p = command("plan", "plan a saved model (.pt2, .pt, or package.module:factory) for a cluster")
@@ -334,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B")
     p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
                    help="data-parallel replicas on the cluster's regions, the batch split by their speed")
-    p.add_argument("--batch-split", help="rows of the batch per region for replicas, e.g. 6,2")
+    p.add_argument("--batch-split", type=_rows_per_region, metavar="N,N,...",
+                   help="rows of the batch per region for replicas, e.g. 6,2")
     p.add_argument("--batch-size", type=_batch_sizes, metavar="B,B,...",
                    help="also store the step time as a formula of the batch size and predict it at these "
                         "sizes, e.g. 8,16,32 (no re-tracing; the JSON gets batch_sweep)")
@@ -378,6 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world", type=int, default=2, help="processes (devices) the file describes")
     r.add_argument("--quick", action="store_true", help="smaller and fewer measurements (a few seconds)")
     r.set_defaults(run=_cmd_profile)
+
+    c = command("checkpoint", "convert a sharded DCP checkpoint folder to one torch.save file, or back")
+    c.add_argument("action", choices=("convert",))
+    c.add_argument("source", help="a DCP checkpoint folder (dcp.save), or a torch.save file")
+    c.add_argument("destination", help="the other format's path; must not exist")
+    c.set_defaults(run=_cmd_checkpoint)
     return parser
 
 
@@ -390,9 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except UsageError as exc:
+        _traceback_when_debugging(args)
         print(f"autopar {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except AutoparError as exc:
+        _traceback_when_debugging(args)
         print(f"autopar {args.command}: {exc}", file=sys.stderr)
         return 2 if exc.kind in (ErrorKind.BAD_INPUT, ErrorKind.BAD_CLUSTER) else 1
     except KeyboardInterrupt:  # files are written atomically at the end: nothing half-written exists
@@ -400,9 +479,35 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ImportError as exc:  # Ctrl-C inside an extension's import (ortools') surfaces as this
         if not isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
-            raise
+            return _internal_error(args, exc)
         print(f"autopar {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug of ours, not the user's input: one line, the traceback on request
+        return _internal_error(args, exc)
+
+
+def _debugging(args) -> bool:
+    return args.debug or os.environ.get("AUTOPAR_DEBUG", "") not in ("", "0")
+
+
+def _traceback_when_debugging(args) -> None:
+    """With ``--debug``, a checked error also shows where it came from (the user's own factory's
+    traceback, for one), above its one-line message."""
+    if _debugging(args):
+        import traceback
+
+        traceback.print_exc()
+
+
+def _internal_error(args, exc: Exception) -> int:
+    """Anything unexpected below the checked boundary: one line and exit 1, the traceback only
+    with ``--debug`` or ``AUTOPAR_DEBUG=1``."""
+    if _debugging(args):
+        raise exc
+    line = (str(exc).strip().splitlines() or [""])[0][:300]
+    print(f"autopar {args.command}: internal error: {type(exc).__name__}: {line} (rerun with --debug for the "
+          "traceback, and please report it)", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 class ParallelModule(nn.Module):
     def __init__(self, module: torch.fx.GraphModule, plan: Plan, loss_fn: Callable | None = None,
-                 runtime=None) -> None:
+                 runtime=None, relowering=None) -> None:
         super().__init__()
         # share the lowered module's children, parameters and buffers so names stay the model's
         self._modules = module._modules
@@ -45,6 +45,8 @@ class ParallelModule(nn.Module):
         # (stages) or passes.replica_lower.ReplicaRuntime (data-parallel replicas); None: one mesh
         self.runtime = runtime
         self._averages: bool | None = None  # whether loss_fn averages over rows (passes.split_loss)
+        # lowers the plan at other input shapes and keeps each (passes.relower.Relowering)
+        self.relowering = relowering
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this rank holds, whole: sharded ones gathered, an expert
@@ -61,9 +63,29 @@ class ParallelModule(nn.Module):
         """The lowered graph's code on this rank (its stage's, under a pipeline plan)."""
         return self.lowered[0].code
 
+    def _lowered_for(self, inputs: tuple) -> torch.fx.GraphModule:
+        """The lowered program for these inputs' shapes: the planned one, or the plan lowered
+        again at these shapes (once per shape; passes.relower)."""
+        return self.lowered[0] if self.relowering is None else self.relowering.module_for(inputs, self)
+
+    def _check_runtime_shapes(self, inputs: tuple) -> None:
+        """Plans over several device groups run at their planned inputs only (each group's
+        graph, a pipeline's micro-batches, are made for them): a clear error for other shapes."""
+        scale = self.plan.micro_batches if self.plan.stages else 1  # a pipeline plan's inputs: one micro-batch
+        planned = [(spec.shape[0] * scale, *spec.shape[1:]) if spec.shape else () for spec in self.plan.inputs]
+        given = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in inputs]
+        if given != planned:
+            kind = (f"pipeline stages ({len(self.plan.stages)} stages, {self.plan.micro_batches} micro-batches)"
+                    if self.plan.stages else f"{len(self.plan.replicas)} data-parallel replica groups")
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"this plan has {kind}: it runs at its planned inputs {planned} only, called with "
+                               f"{given}; call it with those shapes, or plan again at these (one-mesh plans run at "
+                               "any batch that divides over their devices)")
+
     def forward(self, *inputs):
         if self.runtime is None:
-            return tree_map(to_full, self.lowered[0](*inputs))
+            return tree_map(to_full, self._lowered_for(inputs)(*inputs))
+        self._check_runtime_shapes(inputs)
         with torch.no_grad():
             return self.runtime.evaluate(inputs)
 
@@ -74,8 +96,9 @@ class ParallelModule(nn.Module):
                                "step() needs a loss function: pass loss_fn=fn (fn(output, target) -> scalar) to "
                                "autopar.parallelize(...) or autopar.apply(...)")
         if self.runtime is not None:
+            self._check_runtime_shapes(inputs)
             return self.runtime.train_step(inputs, target)
-        outputs = self.lowered[0](*inputs)
+        outputs = self._lowered_for(inputs)(*inputs)
         split = batch_split(outputs, target)
         if split is not None and self._averages is None:  # checked once: is it a mean over rows?
             self._averages = averages_over_rows(self.loss_fn, local_outputs(outputs), local_rows(target, split[0]))

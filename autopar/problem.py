@@ -36,6 +36,9 @@ class Edge:
     count: int = 1  # identical graph edges this edge stands for
     # (u, v) -> bytes one device sends for that reshard (for reports; the solver never reads it)
     volume: Callable[[int, int], float] | None = field(default=None, compare=False, repr=False)
+    # (u, v) -> seconds of that reshard even where ``cost`` forbids the pair (a "follow" edge keeps
+    # the solver on its diagonal): what explaining an alternative with its neighbours fixed pays
+    unrestricted: Callable[[int, int], float | None] | None = field(default=None, compare=False, repr=False)
 
     def members(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Strategies of the producer per class u, and of the consumer per class v."""
@@ -52,6 +55,14 @@ class Edge:
 
     def pair_cost(self, s: int, t: int) -> float:
         c = self.cost[self.src_class[s]][self.dst_class[t]]
+        return math.inf if c is None else c
+
+    def reshard_cost(self, s: int, t: int) -> float:
+        """``pair_cost``, or where the solver's coarsening forbids the pair, what the reshard
+        itself would take (inf only where no reshard exists)."""
+        c = self.cost[self.src_class[s]][self.dst_class[t]]
+        if c is None and self.unrestricted is not None:
+            c = self.unrestricted(self.src_class[s], self.dst_class[t])
         return math.inf if c is None else c
 
 

@@ -419,6 +419,10 @@ def explain_text(e: dict) -> str:
                       " ".join(row["inputs"]), format_seconds(row["compute_s"]), format_seconds(row["reshard_s"]),
                       format_bytes(row["memory_delta_bytes"]), why)
     console.print(table)
+    if len(e["candidates"]) == 1:
+        console.print("no other candidate: " + ("an op without a DTensor rule runs replicated" if e["fallback"] else
+                      "this op has one placement on this mesh (a factory such as arange builds the same tensor on "
+                      "every device; an op whose every dim is too small to split)"))
     if e.get("formula"):
         console.print(f"as a function of the batch size: FLOPs = {e['formula']['flops']}, "
                       f"bytes moved = {e['formula']['bytes']}")

@@ -1,5 +1,5 @@
 """Model compatibility table: third-party models (tests/zoo.py, small random configs) —
-aten nodes, planning time on 8xH100 and 2x8xH100, ops that fell back to replicated, and
+whether it is built with its default config, aten nodes, planning time on 8xH100 and 2x8xH100, ops that fell back to replicated, and
 equivalence of one training step at world sizes 2 and 4 (gloo) against the single-process model.
 
     pip install ".[zoo]" && python benchmarks/model_zoo.py
@@ -59,7 +59,7 @@ def _check_equivalence(rows: list[dict], planned: list[str], world: int) -> None
 def main() -> None:
     rows = []
     for name in zoo.MODELS:
-        row = {"model": name}
+        row = {"model": name, "default_config": name not in zoo.NOT_DEFAULT}
         try:
             model, inputs = zoo.build(name)
             for cluster in ("8xH100", "2x8xH100"):
@@ -77,14 +77,15 @@ def main() -> None:
     for world in WORLDS:
         _check_equivalence(rows, planned, world)
     columns = " | ".join(f"equivalent ({world} ranks)" for world in WORLDS)
-    print(f"\n| model | aten nodes | plan s (8xH100) | plan s (2x8xH100) | fallback ops | {columns} |")
-    print("|---|---|---|---|---|" + "---|" * len(WORLDS))
+    print(f"\n| model | default config | aten nodes | plan s (8xH100) | plan s (2x8xH100) | fallback ops | {columns} |")
+    print("|---|---|---|---|---|---|" + "---|" * len(WORLDS))
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | - | - | - | {r['error']} |" + " ✗ |" * len(WORLDS))
+            print(f"| {r['model']} | - | - | - | - | {r['error']} |" + " ✗ |" * len(WORLDS))
             continue
         verdicts = " | ".join("✓" if r.get(f"equivalent_{w}") else "✗ " + r.get(f"failure_{w}", "") for w in WORLDS)
-        print(f"| {r['model']} | {r['aten_nodes']} | {r['plan_s_8xH100']} | {r['plan_s_2x8xH100']} | "
+        default = "✓" if r["default_config"] else f"✗ {zoo.NOT_DEFAULT[r['model']]}"
+        print(f"| {r['model']} | {default} | {r['aten_nodes']} | {r['plan_s_8xH100']} | {r['plan_s_2x8xH100']} | "
               f"{', '.join(r['fallback_ops']) or 'none'} | {verdicts} |")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "model_zoo.json"), "w") as f:

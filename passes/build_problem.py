@@ -396,8 +396,10 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
 
     def volume(u: int, v: int) -> float:  # the same collectives on a link of 1 byte/s: their bytes
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], unit_links(mesh)) or 0.0
+    def unrestricted(u: int, v: int) -> float | None:
+        return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], mesh)
     return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
-                volume=volume)
+                volume=volume, unrestricted=unrestricted if follow else None)
 
 
 def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],

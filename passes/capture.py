@@ -30,6 +30,7 @@ from autopar.plan import TensorSpec
 from autopar.passes.decompose import decompose
 from autopar.passes.embedding_bag import lower_fixed_bags
 from autopar.passes.stack_experts import stack_expert_lists
+from autopar.passes.training_forward import training_forward
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +159,19 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
                            f"{type(model).__name__} has no parameters: there is nothing to shard or replicate; "
                            "parallelize the model that owns the weights")
     try:
-        with computing_in(model, compute_dtype) as master_itemsize:
+        with computing_in(model, compute_dtype) as master_itemsize, training_forward(model):
             program = torch.export.export(model, args, strict=False)
         lower_fixed_bags(program)
         program = decompose(program)
     except AutoparError:
         raise
     except Exception as exc:  # torch raises many types here; we translate them all
-        raise _untraceable(model, exc) from exc
+        raise _inputs_refused(model, args) or _untraceable(model, exc) from exc
     _drop_metadata_asserts(program)
     program.graph.eliminate_dead_code()
     stack_expert_lists(program)
     _check_static_shapes(model, program)
+    _check_matmul_dtypes(model, program, args)
     if not any(n.op == "call_function" for n in program.graph.nodes):
         raise AutoparError(ErrorKind.BAD_INPUT,
                            f"{type(model).__name__}.forward performs no tensor operations; nothing to plan")
@@ -219,6 +221,28 @@ def _check_static_shapes(model: nn.Module, program: torch.export.ExportedProgram
                     "with torch.where / multiplying by the mask; 2) pad variable-length data to a fixed size")
 
 
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default, torch.ops.aten.convolution.default}
+
+
+def _check_matmul_dtypes(model: nn.Module, program: torch.export.ExportedProgram, args: tuple) -> None:
+    """Fake kernels let a float64 input meet float32 weights in a matmul (eager refuses it):
+    such a graph would be planned as if fine and fail at the first real step."""
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target not in _MATMULS:
+            continue
+        dtypes = {a.meta["val"].dtype for a in node.args if isinstance(a, torch.fx.Node)
+                  and isinstance(a.meta.get("val"), torch.Tensor)}
+        if len(dtypes) > 1:
+            names = " and ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+            given = ", ".join(f"#{i} {str(x.dtype).removeprefix('torch.')}" for i, x in enumerate(args))
+            raise AutoparError(
+                ErrorKind.BAD_INPUT,
+                f"{type(model).__name__}: node {node.name} ({node.target}) multiplies {names} tensors, which "
+                f"the model cannot run (example inputs: {given})\n  at {_user_frame(node)}\n"
+                "  fix: give example inputs in the dtype of the model's weights, or cast the model to theirs")
+
+
 def _user_frame(node: torch.fx.Node) -> str:
     """The last frame of the node's stack trace outside torch (the user's line)."""
     lines = (node.meta.get("stack_trace") or "").strip().splitlines()
@@ -238,6 +262,40 @@ def fingerprint(graph: torch.fx.Graph) -> str:
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
         h.update(f"{node.op}|{node.name}|{node.target}|{shape}\n".encode())
     return h.hexdigest()[:16]
+
+
+def _inputs_refused(model: nn.Module, args: tuple) -> AutoparError | None:
+    """When export fails, first run the model's own forward on fake copies of the inputs
+    (nothing computed, no memory): if that fails as well, the inputs do not fit the model
+    (a wrong width, dtype or count) — not a tracing problem — and the error says so, naming
+    each input and the model's line that refused them. None when the forward runs."""
+    from torch._subclasses import fake_tensor
+
+    # what fake tensors cannot do (read a value, a shape from the data): export's trouble too
+    cannot_fake = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                   fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
+    fake_log = logging.getLogger(fake_tensor.__name__)
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # it logs every failing kernel: the error below says it once
+    try:
+        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+            model(*(fake_mode.from_tensor(x) for x in args))
+    except cannot_fake:
+        return None
+    except Exception as exc:  # any other error of the forward itself
+        given = ", ".join(f"#{i} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for i, x in enumerate(args))
+        frames = [f for f in traceback.extract_tb(exc.__traceback__)
+                  if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS)]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}: `{(frames[-1].line or '').strip()}`" if frames else \
+            "unknown location"
+        return AutoparError(
+            ErrorKind.BAD_INPUT,
+            f"{type(model).__name__}'s forward fails on the example inputs ({given}): {type(exc).__name__}: "
+            f"{(str(exc).strip().splitlines() or [''])[0][:300]}\n  at {where}\n"
+            "  fix: give inputs of the shapes, dtypes and number the model's forward takes (as in one training step)")
+    finally:
+        fake_log.setLevel(level)
+    return None
 
 
 def _untraceable(model: nn.Module, exc: Exception) -> AutoparError:

@@ -53,8 +53,11 @@ from autopar.passes.stack_experts import expert_members, owner
 MESH_ATTR = "_autopar_mesh"
 
 
-def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module) -> torch.fx.GraphModule:
-    if captured.fingerprint != plan.fingerprint:
+def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module,
+          same_graph: bool = False) -> torch.fx.GraphModule:
+    """``same_graph``: the caller has checked that ``captured`` is the planned graph at other
+    input shapes (passes.relower), whose fingerprint differs by its shapes."""
+    if not same_graph and captured.fingerprint != plan.fingerprint:
         raise AutoparError(ErrorKind.BAD_PLAN,
                            f"plan was made for a different graph (fingerprint {plan.fingerprint}, this model "
                            f"captures as {captured.fingerprint}); re-plan this model")
@@ -129,6 +132,12 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
                        for name in alias_of.get(fqn, [fqn])})
         owner, attr = _owner(gm, fqn)
         original = getattr(owner, attr)
+        if isinstance(source.get(fqn), nn.Parameter) and isinstance(source[fqn], DTensor):
+            # already lowered (passes.relower: the plan at other input shapes): the very
+            # parameter an optimizer holds, its attributes and gradient hook already set
+            for name in alias_of.get(fqn, [fqn]):
+                setattr(*_owner(gm, name), source[fqn])
+            continue
         full = source[fqn].detach() if fqn in source else original.detach()
         placed_value = full if isinstance(full, DTensor) else placer(fqn, full, pplan.state_spec)
         param = nn.Parameter(placed_value, requires_grad=original.requires_grad)
@@ -140,9 +149,10 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
             setattr(*_owner(gm, name), param)
         if sync_on_accumulate:
             param.register_post_accumulate_grad_hook(gradient_sync)
+    lowered_buffers = {name: b for name, b in model.named_buffers() if isinstance(b, DTensor)}
     for name, value in list(gm.named_buffers()):
         owner, attr = _owner(gm, name)
-        value = source.get(name, value)
+        value = source.get(name, lowered_buffers.get(name, value))
         owner._buffers[attr] = value if isinstance(value, DTensor) else distribute_tensor(
             value, mesh, dtensor_placements(pl.replicated(mesh.ndim)))
     for name in list(vars(gm)):

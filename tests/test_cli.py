@@ -174,3 +174,108 @@ def test_plan_shows_its_phases_on_a_terminal(tmp_path):
     assert proc.returncode == 0
     text = shown.decode(errors="replace")
     assert "capturing and planning MLP" in text and "plan: mesh" in text, text[-500:]
+
+
+def test_an_internal_error_is_one_line_and_exit_1_with_the_traceback_on_request(monkeypatch, capsys):
+    """Below the checked boundary, a bug of ours: no traceback unless --debug / AUTOPAR_DEBUG=1."""
+    from autopar import cli
+
+    def broken(args):
+        raise RuntimeError("a bug\nsecond line")
+
+    monkeypatch.setattr(cli, "_cmd_devices", broken)
+    monkeypatch.delenv("AUTOPAR_DEBUG", raising=False)
+    assert cli.main(["devices"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("autopar devices: internal error: RuntimeError: a bug") and "--debug" in err
+    assert "Traceback" not in err and "second line" not in err
+    with pytest.raises(RuntimeError):
+        cli.main(["devices", "--debug"])
+    monkeypatch.setenv("AUTOPAR_DEBUG", "1")
+    with pytest.raises(RuntimeError):
+        cli.main(["devices"])
+
+
+BAD_FILES = {  # (files in the working folder, arguments, what the message says): exit 2, nothing written
+    "factory_syntax_error": ({"broken_syntax.py": "def build(:\n    pass\n"}, ["broken_syntax:build"],
+                             "syntax error in"),
+    "factory_raises": ({"raising_factory.py": "def build():\n    raise ValueError('boom')\n"}, ["raising_factory:build"],
+                       "raised ValueError: boom (at"),
+    "module_raises": ({"raising_module.py": "raise RuntimeError('at import')\n"}, ["raising_module:build"],
+                      "importing raising_module raised RuntimeError: at import"),
+    "factory_not_callable": ({"constant_factory.py": "build = 3\n"}, ["constant_factory:build"],
+                             "build is of type int, not a function"),
+    "corrupt_pt2": ({"model.pt2": b"\x00garbage"}, ["model.pt2", "--input", "x=8x16:float32"],
+                    "not a readable torch.export archive"),
+    "corrupt_pt": ({"model.pt": b"\x80garbage"}, ["model.pt", "--trust-pickle", "--input", "x=8x16:float32"],
+                   "not a readable torch.save file"),
+    "batch_split_words": ({}, ["models:tiny_mlp", "--batch-split", "a,b"], "not a comma-separated list of row counts"),
+    "output_folder_missing": ({}, ["models:tiny_mlp", "-o", "missing/plan.json"], "does not exist"),
+    "output_is_a_folder": ({"out/keep.txt": "x"}, ["models:tiny_mlp", "-o", "out"], "is a folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_model_files_factories_and_paths_exit_2_naming_them(case, tmp_path, monkeypatch, capsys):
+    from autopar import cli
+
+    files, args, message = BAD_FILES[case]
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(HERE)  # models:tiny_mlp
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    try:
+        code = cli.main(["plan", *args, "--cluster", "2xH100"])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "internal error" not in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*") if "__pycache__" not in p.parts) == \
+        [n for n in before if n != "__pycache__"]
+
+
+def test_a_batch_sweep_that_fails_writes_no_plan(tmp_path, monkeypatch):
+    """The plan file is written last: a sweep that cannot be predicted leaves nothing behind."""
+    from autopar import cli
+    from autopar.plan import Plan
+
+    monkeypatch.syspath_prepend(HERE)
+
+    def refuse(self, batch_size):
+        raise autopar_error(batch_size)
+
+    monkeypatch.setattr(Plan, "predict", refuse)
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "--batch-size", "8,16",
+                     "-o", str(tmp_path / "plan.json")]) == 2
+    assert not (tmp_path / "plan.json").exists()
+
+
+def autopar_error(batch_size: int):
+    from autopar import AutoparError, ErrorKind
+
+    return AutoparError(ErrorKind.BAD_INPUT, f"cannot predict batch {batch_size}")
+
+
+def test_every_node_of_the_readme_gpt_plan_explains_at_least_two_alternatives():
+    """The README's quick-start plan: every node whose op has more than one placement lists ≥ 2
+    alternatives with their costs (a view's alternatives pay the reshard its producer would
+    need); the one that has none says why."""
+    import sys
+
+    import autopar as package
+    from autopar.report import explain, explain_text
+
+    sys.path.insert(0, os.path.join(HERE, os.pardir))
+    from examples.gpt import build
+
+    model, inputs = build(layers=2, d=64, vocab=64, seq=32, batch=8)
+    plan = package.plan(model, inputs, cluster="4xcpu")
+    single = [name for name, node in plan.nodes.items() if len(node.alternatives) < 2]
+    assert [plan.nodes[name].op for name in single] == ["aten.arange.start_step"], single
+    for name in plan.nodes:
+        rows = explain(plan, name)["candidates"]
+        assert all(r["compute_s"] >= 0 and r["reshard_s"] >= 0 for r in rows), (name, rows)
+    assert "no other candidate" in explain_text(explain(plan, single[0]))

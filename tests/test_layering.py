@@ -27,6 +27,8 @@ Where the less obvious modules sit, and why:
     lowered program's shell while training, and gathers state through passes.runtime;
   * passes.materialize (a meta-built model's weights made real one module at a time) is
     lowering/runtime: it runs at apply, reads no graph, and only lowering calls it;
+  * passes.relower (the plan lowered again for other input shapes) is lowering: it captures
+    the model again, so a ParallelModule is handed one (the runtime imports no capture);
   * passes.dtensor_ops ("ops") holds the DTensor helpers analysis and the training runtime
     share — placement values <-> DTensor placements, the experts' relabelling op that
     passes.expert_order checks on real values and lowering emits — so neither imports the other.
@@ -56,10 +58,10 @@ OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
     "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
-    "values")}
+    "training_forward", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "materialize", "recompute", "reshard", "split_loss")} | {"autopar.parallel"}
-FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "cli", "report", "html_report", "profile")}
+                                            "runtime", "materialize", "recompute", "reshard", "split_loss", "relower")} | {"autopar.parallel"}
+FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "report", "html_report", "profile")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {

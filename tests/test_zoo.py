@@ -1,5 +1,5 @@
 """Models nobody on this team wrote (Hugging Face transformers and timm, small random
-configs): they capture, plan on 8 and 2×8 H100s, and — lowered at world size 2 and 4 with
+configs, each family's default settings — tests/zoo.py): they capture, plan on 8 and 2×8 H100s, and — lowered at world size 2 and 4 with
 gloo — match the single-process model. Needs the optional extra: ``pip install .[zoo]`` (CI
 installs it); each test skips, naming the missing package, only without it. Tied weights
 (GPT-2's head and embedding, T5's shared embeddings) are exported as separate inputs; capture
@@ -32,7 +32,7 @@ def test_plans_on_one_and_two_hosts(name):
 
 
 # one training step per case at each world size; the rest of zoo.MODELS run in benchmarks/model_zoo.py
-EQUIVALENCE = {("transformers", 2): ("gpt2", "llama", "bert", "vit", "mixtral"),
+EQUIVALENCE = {("transformers", 2): ("gpt2", "llama", "bert", "vit", "mixtral", "gemma2", "phi3", "qwen3_moe"),
                # at 4 ranks: Llama (GPT-2's layout runs at 4 in test_equivalence's own GPT; CI time);
                # conv nets: timm's ResNet and ConvNeXt, below (transformers' are planned above and
                # run in benchmarks/model_zoo.py)

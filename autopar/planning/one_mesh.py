@@ -96,10 +96,13 @@ class OneMesh:
 
         from autopar.parallel import ParallelModule
         from autopar.passes.lower import lower
+        from autopar.passes.relower import Relowering
         from autopar.planning.lowering import capture_for, device_type
 
         mesh = init_device_mesh(device_type(), plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
-        return ParallelModule(lower(captured or capture_for(model, plan), plan, mesh, model), plan, loss_fn)
+        captured = captured or capture_for(model, plan)
+        relowering = Relowering(plan, mesh, model, captured)  # before lowering: the model as given
+        return ParallelModule(lower(captured, plan, mesh, model), plan, loss_fn, relowering=relowering)
 
 
 def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
@@ -301,14 +304,16 @@ _ALTERNATIVES = 4
 
 def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) -> list[float]:
     """Resharding time on one graph node's edges for each strategy of its problem node ``q``,
-    every neighbour as chosen. ``incident``: (problem edge, node is its producer) pairs."""
+    every neighbour as chosen — paying the reshard also where the solver's coarsening keeps
+    a view on its producer's placement, so every node can show its alternatives.
+    ``incident``: (problem edge, node is its producer) pairs."""
     costs = []
     for t in range(len(problem.node_costs[q])):
         total = 0.0
         for e, as_producer in incident:
             s_src = t if as_producer else choice[e.src]
             s_dst = choice[e.dst] if as_producer else t
-            total += e.pair_cost(s_src, s_dst)
+            total += e.reshard_cost(s_src, s_dst)
         costs.append(total)
     return costs
 

@@ -1,0 +1,145 @@
+"""Sharded checkpoints the FSDP2 way: torch's ``get_state_dict(pmodel, optimizer)`` /
+``set_state_dict`` with ``dcp.save`` / ``dcp.load``, across plans and world sizes (DCP
+reshards on load). Trained 3 AdamW steps on 2 ranks under one plan, saved, loaded on 4 ranks
+under another, trained 3 more: the parameters equal 6 steps of the single-process model —
+the optimizer's moments and step count carried over. And ``autopar checkpoint convert``
+turns the DCP folder into one ``torch.save`` file and back (torch's own format_utils)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import autopar
+import autopar.cli
+from distributed import run_world
+from autopar.passes.runtime import full_value
+from models import MLP
+
+STEPS, LR = 3, 1e-2
+
+
+def _model() -> MLP:
+    torch.manual_seed(0)
+    return MLP(16, 64, 8, layers=3)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(16, 16, generator=generator), torch.randn(16, 8, generator=generator)
+
+
+def _train(pmodel, optimizer, steps: range) -> None:
+    for step in steps:
+        x, target = _batch(step)
+        pmodel.step(x, target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _save_after_three_steps(folder: str, cluster: str, options: dict) -> str:
+    pmodel = autopar.parallelize(_model(), (_batch(0)[0],), cluster=cluster, loss_fn=F.mse_loss, **options)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    _train(pmodel, optimizer, range(STEPS))
+    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    return _kind(pmodel.plan)
+
+
+def _kind(plan) -> str:
+    if plan.stages:
+        return f"{len(plan.stages)} stages"
+    return "+".join(sorted({p.optimizer_state or p.placement for p in plan.parameters.values()}))
+
+
+def _load_and_train_three_more(folder: str, cluster: str, options: dict) -> dict:
+    torch.manual_seed(1)  # other initial weights: the checkpoint must replace them all
+    pmodel = autopar.parallelize(MLP(16, 64, 8, layers=3), (_batch(0)[0],), cluster=cluster, loss_fn=F.mse_loss,
+                                 **options)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(pmodel, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _train(pmodel, optimizer, range(STEPS, 2 * STEPS))
+    return {"kind": _kind(pmodel.plan), "params": {name: full_value(p).tolist() for name, p in pmodel.named_parameters()}}
+
+
+def _single_process() -> dict[str, torch.Tensor]:
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(2 * STEPS):
+        x, target = _batch(step)
+        F.mse_loss(model(x), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(model.named_parameters())
+
+
+CLUSTERS = os.path.join(os.path.dirname(__file__), "clusters")
+ROUND_TRIPS = {  # (saved on 2 ranks under, loaded on 4 ranks under): cluster, options, what the plan is
+    "ddp_to_fsdp": (("2xcpu", {"configuration": "ddp"}, "R"), ("4xcpu", {"configuration": "fsdp"}, "S(0)")),
+    "pipeline_to_zero2": ((os.path.join(CLUSTERS, "two_cpu_regions.yaml"), {"pipeline": True, "micro_batches": 2},
+                           "2 stages"), ("4xcpu", {"configuration": "zero2"}, "S(0)")),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("trip", list(ROUND_TRIPS))
+def test_a_checkpoint_saved_under_one_plan_loads_under_another_on_more_ranks(tmp_path, trip):
+    (cluster_a, options_a, kind_a), (cluster_b, options_b, kind_b) = ROUND_TRIPS[trip]
+    folder = str(tmp_path / "step3")
+    assert run_world(2, _save_after_three_steps, folder, cluster_a, options_a) == kind_a
+    loaded = run_world(4, _load_and_train_three_more, folder, cluster_b, options_b)
+    assert loaded["kind"] == kind_b, loaded["kind"]
+    reference = _single_process()
+    for name, values in loaded["params"].items():
+        error = (torch.tensor(values) - reference[name]).abs().max().item()
+        assert error < 1e-5, (trip, name, error)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # this test's own single-process dcp calls
+def test_checkpoint_convert_goes_from_dcp_to_one_file_and_back(tmp_path):
+    folder, single, back = tmp_path / "dcp", tmp_path / "model.pt", tmp_path / "dcp_again"
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 3}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    assert autopar.cli.main(["checkpoint", "convert", str(folder), str(single)]) == 0
+    loaded = torch.load(single, weights_only=True)
+    assert torch.equal(loaded["model"]["w"], state["model"]["w"]) and loaded["step"] == 3
+    assert autopar.cli.main(["checkpoint", "convert", str(single), str(back)]) == 0
+    again = {"model": {"w": torch.zeros(2, 3)}, "step": 0}
+    dcp.load(again, checkpoint_id=str(back), no_dist=True)
+    assert torch.equal(again["model"]["w"], state["model"]["w"]) and again["step"] == 3
+    assert oct(os.stat(single).st_mode & 0o777) == oct(0o666 & ~_umask())
+    assert oct(os.stat(back).st_mode & 0o777) == oct(0o777 & ~_umask())
+
+
+@pytest.mark.parametrize("case", ["exists", "not_dcp", "missing", "not_torch_save", "no_folder"])
+def test_checkpoint_convert_refuses_bad_paths_by_name_and_writes_nothing(tmp_path, case, capsys):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a zip file at all")
+    source, destination, said = {
+        "exists": (garbage, plain, "already exists"),
+        "not_dcp": (plain, tmp_path / "out.pt", "not a DCP checkpoint"),
+        "missing": (tmp_path / "nothing", tmp_path / "out.pt", "does not exist"),
+        "not_torch_save": (garbage, tmp_path / "out", "not a readable torch.save file"),
+        "no_folder": (garbage, tmp_path / "missing" / "out", "does not exist"),
+    }[case]
+    before = sorted(os.listdir(tmp_path))
+    assert autopar.cli.main(["checkpoint", "convert", str(source), str(destination)]) == 2
+    assert said in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == before  # no temporary left behind
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -294,6 +294,7 @@ def _cmd_explain(args) -> int:
 def _cmd_validate(args) -> int:
     import autopar
     from autopar.passes.capture import capture
+    from autopar.plan_types import placement_problems
 
     plan = autopar.load_plan(args.plan)
     model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
@@ -305,6 +306,7 @@ def _cmd_validate(args) -> int:
     if names != set(plan.parameters):
         missing, extra = sorted(set(plan.parameters) - names), sorted(names - set(plan.parameters))
         problems.append(f"parameters differ: plan-only {missing[:5]}, model-only {extra[:5]}")
+    problems += placement_problems(plan, {fqn: tuple(p.shape) for fqn, p in model.named_parameters()})
     result = {"valid": not problems, "problems": problems}
     if args.json:
         print(json.dumps(result, indent=1))
@@ -333,6 +335,10 @@ def _cmd_profile(args) -> int:
 
     if args.world < 1:
         raise UsageError(f"--world must be at least 1, got {args.world}")
+    most = 4 * (os.cpu_count() or 1)
+    if args.world > most:
+        raise UsageError(f"--world {args.world} is more processes than this machine can measure apart ({most}: 4 per "
+                         "CPU); profile a few and describe the rest in the cluster file (docs/clusters.md)")
     _writable_output(args.out)
     content = write_profile(args.out, args.world, args.quick)
     name, device = next(iter(content["devices"].items()))

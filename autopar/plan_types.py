@@ -141,3 +141,40 @@ def _check(value, hint, where: str, source: str) -> None:
 
 def _hint_name(hint) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def placement_problems(plan, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """What is wrong with the plan's parameter placements for parameters of these ``shapes``
+    (FQN -> shape, from the model): text that is no placement, a placement for another number
+    of mesh dims, a split of a dim the tensor lacks or that does not divide over its devices.
+    ``autopar validate`` reports them; lowering would fail on each with a raw error."""
+    from autopar import placements as pl
+
+    meshes = {tuple(group.mesh_shape) for group in (*plan.stages, *plan.replicas)} or {tuple(plan.mesh_shape)}
+    problems = []
+    for fqn, pplan in sorted(plan.parameters.items()):
+        if fqn not in shapes:
+            continue
+        for field, text in (("placement", pplan.placement), ("optimizer_state", pplan.optimizer_state)):
+            if text is None:
+                continue
+            try:
+                spec = pl.parse_spec(text)
+            except ValueError as exc:
+                problems.append(f"{fqn}: {field} {text!r} is not a placement ({exc})")
+                continue
+            fitting = [mesh for mesh in meshes if len(mesh) == len(spec)]
+            if not fitting:
+                problems.append(f"{fqn}: {field} {text!r} has {len(spec)} entries, the mesh has "
+                                f"{' or '.join(str(len(m)) for m in sorted(meshes))} dims")
+                continue
+            shape = shapes[fqn]
+            for dim in sorted({p.dim for p in spec if p.is_shard}):
+                if dim >= len(shape):
+                    problems.append(f"{fqn}: {field} {text!r} splits dim {dim}, the parameter has {len(shape)} "
+                                    f"dims (shape {list(shape)})")
+                elif all(shape[dim] % pl.split_over(spec, mesh, dim) for mesh in fitting):
+                    devices = pl.split_over(spec, fitting[0], dim)
+                    problems.append(f"{fqn}: {field} {text!r} splits dim {dim} of size {shape[dim]} over "
+                                    f"{devices} devices, which does not divide it")
+    return problems

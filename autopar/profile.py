@@ -23,6 +23,8 @@ rates, not datasheet peaks) and one node of ``world`` such devices.
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import os
 import socket
 import statistics
@@ -36,6 +38,8 @@ import torch.multiprocessing as mp
 import yaml
 
 from autopar.plan import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 GB = 10**9
 
@@ -232,10 +236,30 @@ def collective_link(world: int = 2, sizes: tuple[int, ...] = (2**10, 2**16, 2**2
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times")
-        mp.spawn(_collective_worker, args=(world, port, list(sizes), repeats, device, out), nprocs=world, join=True)
+        _run_workers(_collective_worker, world, (world, port, list(sizes), repeats, device, out))
         with open(out) as f:
             link, overhead = eval(f.read(), {})  # figures we wrote ourselves
     return link, overhead
+
+
+def _run_workers(worker, world: int, args: tuple) -> None:
+    """``world`` processes running ``worker(rank, *args)``, waited for; ended when this process
+    is interrupted (Ctrl-C, or a SIGINT to it alone) or fails, before the error goes on —
+    else multiprocessing's exit handler would wait for every one to finish its measurement."""
+    try:
+        context = mp.spawn(worker, args=args, nprocs=world, join=False)
+        log.info("measuring collectives between %d worker processes", world)
+        while not context.join():
+            pass
+    except BaseException:  # also while spawn is still starting them: every child started so far
+        started = multiprocessing.active_children()
+        for process in started:
+            process.terminate()
+        for process in started:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        raise
 
 
 def fit_ring(sizes: list[int], times: list[float], n: int) -> tuple[float, float]:

@@ -116,6 +116,12 @@ def compute_dtype_of(plan) -> torch.dtype | None:
     return None if not policy else getattr(torch, policy["param_dtype"])
 
 
+def reduce_dtype_of(plan) -> torch.dtype | None:
+    """The dtype a plan's mixed-precision policy reduces gradients in, or None."""
+    policy = plan.options.get("mixed_precision")
+    return None if not policy else getattr(torch, policy["reduce_dtype"])
+
+
 def compute_inputs(example_inputs, compute_dtype: torch.dtype | None) -> tuple:
     """The inputs as a model computing in ``compute_dtype`` receives them: floating inputs cast
     (FSDP2's ``cast_forward_inputs``), the others as they are."""

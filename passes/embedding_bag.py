@@ -9,9 +9,14 @@ row-wise, column-wise or by batch, and which the sparse-exchange planning (passe
 treats like any other lookup. The price: the (batch, bag, dim) lookup result is materialised
 once (EmbeddingBag fuses it away); it is not kept for backward.
 
-Bags of varying size (explicit offsets), ``max`` mode, ``padding_idx`` and
-``scale_grad_by_freq`` stay as they are (they run replicated and forward-only; a warning
-says so).
+Bags of varying size — the form DLRM and TorchRec use, ``bag(ids, offsets)`` with 1-D ids
+and the offsets as an input — become the lookup of every id, ``(N, dim)``, summed into its bag
+by ``index_add`` with each id's bag number from ``repeat_interleave(lengths)`` (``output_size``
+N, so every shape stays fixed), divided by the bag's length for ``mean`` (an empty bag is
+zeros, as EmbeddingBag gives). The lookup is what the sparse planning shards and exchanges;
+the pooling runs where DTensor has no rule (replicated). ``max`` mode, ``padding_idx`` and
+``scale_grad_by_freq`` stay as they are (they run replicated and forward-only; a warning says
+so).
 """
 
 from __future__ import annotations
@@ -30,13 +35,18 @@ _SUM, _MEAN = 0, 1
 
 
 def lower_fixed_bags(program: torch.export.ExportedProgram) -> int:
-    """Rewrite every fixed-size embedding bag of ``program``'s graph in place; returns how many."""
+    """Rewrite every embedding bag of ``program``'s graph (fixed-size, or jagged with offsets)
+    in place; returns how many."""
     graph = program.graph_module.graph
     vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     rewritten = 0
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _BAGS:
+            if fake_mode is not None and _plain_options(node) and _jagged(node):
+                _rewrite_jagged(graph, node, fake_mode)
+                rewritten += 1
+                continue
             bag = _fixed_bag_size(node)
             if bag is None or fake_mode is None:
                 log.warning("embedding bag %s has bags of varying size or an unsupported option (max mode, "
@@ -56,15 +66,27 @@ def _argument(node: torch.fx.Node, index: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
+def _plain_options(node: torch.fx.Node) -> bool:
+    """Sum or mean, no padding row, no frequency scaling, and only the pooled bags used (not
+    offset2bag or the bag sizes the op also returns)."""
+    if (_argument(node, 3, "scale_grad_by_freq", False) or _argument(node, 4, "mode", 0) not in (_SUM, _MEAN)
+            or _argument(node, 8, "padding_idx", None) not in (None, -1)):
+        return False
+    return not any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users if u.users)
+
+
+def _jagged(node: torch.fx.Node) -> bool:
+    """Offsets given as data (not ``arange``): bags of any sizes, 1-D ids."""
+    indices, offsets = node.args[1:3]
+    return (isinstance(offsets, torch.fx.Node) and offsets.target is not aten.arange.start_step
+            and indices.meta["val"].dim() == 1 and offsets.meta["val"].dim() == 1)
+
+
 def _fixed_bag_size(node: torch.fx.Node) -> int | None:
     """The bag size when offsets are ``arange(0, n, bag)`` and the options allow the rewrite."""
     weight, indices, offsets = node.args[:3]
-    if (_argument(node, 3, "scale_grad_by_freq", False) or _argument(node, 4, "mode", 0) not in (_SUM, _MEAN)
-            or _argument(node, 7, "include_last_offset", False) or _argument(node, 8, "padding_idx", None)
-            not in (None, -1)):
+    if not _plain_options(node) or _argument(node, 7, "include_last_offset", False):
         return None
-    if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users if u.users):
-        return None  # offset2bag / bag sizes are used by something: keep the op
     if not (isinstance(offsets, torch.fx.Node) and offsets.target is aten.arange.start_step):
         return None
     start, end, step = offsets.args[:3]
@@ -74,20 +96,62 @@ def _fixed_bag_size(node: torch.fx.Node) -> int | None:
     return step
 
 
+def _adder(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode):
+    """Inserts ``target(*args, **kwargs)`` with its fake value and ``node``'s source metadata."""
+    inherited = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in node.meta}
+
+    def add(target, *args, **kwargs):
+        new = graph.call_function(target, args, kwargs)
+        with fake_mode:
+            new.meta["val"] = target(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]),
+                                     **torch.fx.node.map_arg(kwargs, lambda a: a.meta["val"]))
+        new.meta.update(inherited)
+        return new
+    return add
+
+
+def _replace_pooled(graph: torch.fx.Graph, node: torch.fx.Node, pooled: torch.fx.Node) -> None:
+    for user in list(node.users):
+        if user.args[1] == 0:
+            user.replace_all_uses_with(pooled)
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _rewrite_jagged(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> None:
+    """Bags given by offsets: every id looked up, then summed into its bag (see the module
+    docstring). ``include_last_offset``: the offsets end with the id count."""
+    weight, indices, offsets = node.args[:3]
+    weights = _argument(node, 6, "per_sample_weights", None)
+    n = indices.meta["val"].numel()
+    last = _argument(node, 7, "include_last_offset", False)
+    bags = offsets.meta["val"].numel() - (1 if last else 0)
+    dim = weight.meta["val"].shape[1]
+    add = _adder(graph, node, fake_mode)
+    with graph.inserting_before(node):
+        rows = add(aten.embedding.default, weight, indices)  # (N, dim)
+        if weights is not None:
+            rows = add(aten.mul.Tensor, rows, add(aten.unsqueeze.default, weights, -1))
+        starts = add(aten.slice.Tensor, offsets, 0, 0, bags)
+        ends = add(aten.slice.Tensor, offsets, 0, 1, bags + 1) if last else add(
+            aten.cat.default, [add(aten.slice.Tensor, offsets, 0, 1, bags),
+                               add(aten.full.default, [1], n, dtype=offsets.meta["val"].dtype)])
+        lengths = add(aten.sub.Tensor, ends, starts)  # (bags,): ids per bag, 0 for an empty one
+        bag_of = add(aten.repeat_interleave.Tensor, lengths, output_size=n)  # (N,): each id's bag
+        zeros = add(aten.full.default, [bags, dim], 0.0, dtype=rows.meta["val"].dtype)
+        pooled = add(aten.index_add.default, zeros, 0, bag_of, rows)  # (bags, dim)
+        if _argument(node, 4, "mode", 0) == _MEAN:
+            count = add(aten.clamp_min.default, add(aten.unsqueeze.default, lengths, -1), 1)
+            pooled = add(aten.div.Tensor, pooled, count)
+    _replace_pooled(graph, node, pooled)
+
+
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, bag: int, fake_mode) -> None:
     weight, indices = node.args[:2]
     weights = _argument(node, 6, "per_sample_weights", None)
     mode = _argument(node, 4, "mode", 0)
     n = indices.meta["val"].numel()
-    inherited = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in node.meta}
-
-    def add(target, *args):
-        new = graph.call_function(target, args)
-        with fake_mode:
-            new.meta["val"] = target(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]))
-        new.meta.update(inherited)
-        return new
-
+    add = _adder(graph, node, fake_mode)
     with graph.inserting_before(node):
         ids = add(aten.view.default, indices, [n // bag, bag])
         rows = add(aten.embedding.default, weight, ids)  # (bags, bag, dim)
@@ -95,8 +159,4 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, bag: int, fake_mode) ->
             scale = add(aten.unsqueeze.default, add(aten.view.default, weights, [n // bag, bag]), -1)
             rows = add(aten.mul.Tensor, rows, scale)
         reduced = add(aten.sum.dim_IntList if mode == _SUM else aten.mean.dim, rows, [1])
-    for user in list(node.users):
-        if user.args[1] == 0:
-            user.replace_all_uses_with(reduced)
-        graph.erase_node(user)
-    graph.erase_node(node)
+    _replace_pooled(graph, node, reduced)

@@ -38,7 +38,7 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
-from autopar.passes.capture import Captured, compute_dtype_of
+from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
 from autopar.passes.cost import FUSED_ATTENTION, is_view_op
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
@@ -280,6 +280,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     produced: dict[str, str | None] = {}  # node name -> placement it carries at run time
     weights: set[str] = set()  # parameters, their compute copies and views: gathered ones are resharded
     compute_dtype = compute_dtype_of(plan)  # mixed precision: weights and inputs cast for compute
+    reduce_dtype = reduce_dtype_of(plan)  # ... and gathered weights' gradients reduced in this
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
     for node, name in zip(user_inputs, input_names, strict=True):
         planned = plan.nodes[name].outputs[0]
@@ -295,13 +296,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             pplan = plan.parameters.get(node.target)
             produced[node.name] = pl.format_spec(pplan.state_spec) if pplan else replicated
             chain = [node]  # the weight as read, cast for compute, gathered once (ZeRO-2)
-            if compute_dtype is not None and pplan:
+            if pplan and pplan.zero:  # ZeRO-2: gathered once for use (cast first), kept until backward
+                chain.append(_insert_after(graph, chain[-1], runtime.redistribute,
+                                           (chain[-1], mesh_node, pplan.placement, compute_dtype, reduce_dtype)))
+                produced[chain[-1].name] = pplan.placement
+            elif compute_dtype is not None and pplan:
                 chain.append(_insert_after(graph, chain[-1], runtime.compute_copy, (chain[-1], compute_dtype)))
                 produced[chain[-1].name] = produced[node.name]
-            if pplan and pplan.zero:  # ZeRO-2: gathered once for use, kept until backward
-                chain.append(_insert_after(graph, chain[-1], runtime.redistribute,
-                                           (chain[-1], mesh_node, pplan.placement)))
-                produced[chain[-1].name] = pplan.placement
             if pplan:
                 weights.update(n.name for n in chain)
         if node.target is relabel_experts:  # keeps its input's placement
@@ -323,7 +324,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             if have != want:
                 with graph.inserting_before(node):
                     if arg.name in weights and _gathers(have, want):  # FSDP: gathered again for backward
-                        moved = graph.call_method("gather", (gathers, arg, mesh_node, want))
+                        moved = graph.call_method("gather", (gathers, *_from_master(graph, arg), mesh_node, want,
+                                                             compute_dtype, reduce_dtype))
                     else:
                         moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
                     moved.meta["val"] = arg.meta.get("val")
@@ -362,6 +364,10 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             new = _insert_after(graph, node, runtime.replicate_constant, (node, mesh_node))
             produced[new.name] = produced[node.name]
     fuse_table_wise(graph, plan, mesh_node, table_wise)
+    for node in reversed(graph.nodes):  # compute copies (and their views) every gather now bypasses
+        if node.name in weights and not node.users and node.op == "call_function" and (
+                node.target is runtime.compute_copy or is_view_op(node)):
+            graph.erase_node(node)
     if not gathers.users:
         graph.erase_node(gathers)
     out = graph.output_node()
@@ -380,6 +386,26 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                 full = graph.call_function(runtime.to_full, (arg,))
             out.replace_input_with(arg, full)
     graph.lint()
+
+
+def _from_master(graph: torch.fx.Graph, weight: torch.fx.Node) -> tuple[torch.fx.Node]:
+    """What a gather of ``weight`` reads: under mixed precision not the compute copy but the
+    fp32 master (the same views replayed on it), so that the gather casts before it moves the
+    shard and its backward reduces the gradient in ``reduce_dtype`` onto the master (FSDP2's
+    ``MixedPrecisionPolicy``), instead of reducing in the compute dtype."""
+    views = []
+    node = weight
+    while node.op == "call_function" and node.target is not runtime.compute_copy and is_view_op(node):
+        views.append(node)
+        node = node.args[0]
+    if node.op != "call_function" or node.target is not runtime.compute_copy:
+        return (weight,)
+    source = node.args[0]
+    for view in reversed(views):  # inserted where the graph is being rewritten: before the consumer
+        replayed = graph.call_function(view.target, (source, *view.args[1:]), dict(view.kwargs))
+        replayed.meta = dict(view.meta)
+        source = replayed
+    return (source,)
 
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,

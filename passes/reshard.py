@@ -41,10 +41,11 @@ class _Regather:
     placements: tuple
     shape: torch.Size
     global_stride: tuple[int, ...]
+    dtype: torch.dtype | None = None  # mixed precision: the compute dtype the gather casts to
 
     def rebuild(self) -> DTensor:
         with torch.no_grad():
-            whole = runtime.redistribute(self.source.detach(), self.mesh, self.spec).to_local()
+            whole = runtime.redistribute(self.source.detach(), self.mesh, self.spec, self.dtype).to_local()
         local = whole.as_strided(self.size, self.stride, self.offset)
         return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
                                   stride=self.global_stride)
@@ -61,14 +62,18 @@ class WeightGathers:
     """The weights gathered during one forward, and the saved-tensor hooks that drop them."""
 
     def __init__(self) -> None:
-        # storage address -> (the gathered local tensor, weakly; the gather's source, mesh, spec)
-        self._gathered: dict[int, tuple[weakref.ref, DTensor, object, str]] = {}
+        # storage address -> (the gathered local tensor, weakly; the gather's source, mesh, spec,
+        # compute dtype)
+        self._gathered: dict[int, tuple[weakref.ref, DTensor, object, str, torch.dtype | None]] = {}
 
-    def gather(self, source: DTensor, mesh, spec: str) -> DTensor:
-        """``source`` redistributed to ``spec`` (a gather), remembered so autograd does not keep it."""
-        out = runtime.redistribute(source, mesh, spec)
+    def gather(self, source: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None) -> DTensor:
+        """``source`` redistributed to ``spec`` (a gather), remembered so autograd does not keep
+        it. Mixed precision: ``source`` is the fp32 master, cast to ``dtype`` before the gather,
+        its gradient reduced in ``reduce_dtype`` (runtime.redistribute)."""
+        out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype)
         local = out._local_tensor
-        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, mesh, spec)
+        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, mesh, spec, dtype)
         return out
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -98,9 +103,9 @@ class WeightGathers:
         # alive: the storage is still the gathered one (a freed one's address may be reused)
         if found is None or found[0]() is None:
             return None
-        _, source, mesh, spec = found
+        _, source, mesh, spec, dtype = found
         return _Regather(source, mesh, spec, tuple(local.size()), tuple(local.stride()), local.storage_offset(),
-                         tuple(saved.placements), saved.shape, tuple(saved.stride()))
+                         tuple(saved.placements), saved.shape, tuple(saved.stride()), dtype)
 
     def forget(self) -> None:
         """Drop the record of this forward's gathers (the recipes already packed keep theirs)."""

@@ -36,6 +36,10 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
     ``state`` (a ZeRO-2 parameter): where the parameter's gradient and master live instead of
     ``src``: its gradient is reduce-scattered there, and the updated master all-gathered back
     to ``src`` once per step (both one by one, as lowered).
+
+    Under mixed precision a gathered weight's gradient is reduced at ``sync_nbytes`` too: the
+    gather casts the fp32 master before it moves and reduces the gradient in float32 onto it
+    (FSDP2's ``reduce_dtype``; passes.lower); other reshards move the compute dtype both ways.
     """
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
@@ -43,7 +47,7 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
     grad = tuple(b if b.is_shard or b is pl.O or b is pl.D else (pl.P if split and split[d] and b is pl.R else pl.R)
                  for d, b in enumerate(dst))
     if state is not None:
-        back = _sequential_s(grad, state, nbytes, mesh, mesh.links)
+        back = _sequential_s(grad, state, sync_nbytes or nbytes, mesh, mesh.links)
         update = _sequential_s(state, src, nbytes, mesh, mesh.links)
         if back is None or update is None:
             return None
@@ -52,7 +56,9 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
         want = tuple(pl.R if a.is_partial else a for a in src)
         bucketed = regather and all(g is w or (g is pl.P and w is pl.R) for g, w in zip(grad, want))
         links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
-        total = forward + _sequential_s(grad, want, sync_nbytes if bucketed and sync_nbytes else nbytes, mesh, links)
+        gathered = regather and any(a.is_shard and b is pl.R for a, b in zip(src, dst))
+        grad_nbytes = sync_nbytes if sync_nbytes and (bucketed or gathered) else nbytes
+        total = forward + _sequential_s(grad, want, grad_nbytes, mesh, links)
     if regather:
         total += _sequential_s(tuple(a if a.is_shard else pl.R for a in src),
                                tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)

@@ -47,11 +47,15 @@ def compute_copy(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return copy
 
 
-def redistribute(x: DTensor, mesh, spec: str) -> DTensor:
-    """Reshard to the placements the consumer was planned with (a collective, or a local slice)."""
+def redistribute(x: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> DTensor:
+    """Reshard to the placements the consumer was planned with (a collective, or a local slice).
+    Mixed precision's weight gather (FSDP2's): ``dtype`` casts the fp32 master's shard before
+    the collective, ``reduce_dtype`` is what the gradient's reduction runs in (torch's
+    ``forward_dtype`` / ``backward_dtype``); the gradient comes back in the master's dtype."""
     target = placements(spec)
     if tuple(x.placements) == target:
-        return x
+        return x if dtype is None else compute_copy(x, dtype)
     # A collective's backward hands the gradient back labelled with the input's strides but laid
     # out as the collective makes it (gathered: contiguous; sliced: a strided piece); the views
     # traced in front of the input then fail on it whenever the two disagree (a head split of a
@@ -64,10 +68,10 @@ def redistribute(x: DTensor, mesh, spec: str) -> DTensor:
     if any(p.is_partial() and p != q for p, q in zip(target, x.placements)):
         # Replicate→Partial (a replicated bias into a row-parallel matmul): public redistribute
         # refuses it ("internal use only"); the autograd function behind it supports it.
-        dtype = x.dtype
-        options = {"op_dtype": dtype, "out_dtype": dtype}
-        return Redistribute.apply(x, mesh, target, False, {**options, "backward_options": dict(options)})
-    return x.redistribute(mesh, target)
+        forward = {"op_dtype": dtype or x.dtype, "out_dtype": dtype or x.dtype}
+        backward = {"op_dtype": reduce_dtype or dtype or x.dtype, "out_dtype": x.dtype}
+        return Redistribute.apply(x, mesh, target, False, {**forward, "backward_options": backward})
+    return x.redistribute(mesh, target, forward_dtype=dtype, backward_dtype=reduce_dtype)
 
 
 def _contiguous_grad(x: DTensor) -> DTensor:

@@ -42,6 +42,9 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     elif input_kind == "dlrm":
         model = models.DLRM(**kwargs)
         raw_inputs = models.dlrm_inputs(model, batch)
+    elif input_kind == "jagged":
+        model = models.JaggedDLRM(**kwargs)
+        raw_inputs = models.jagged_dlrm_inputs(model, batch)
     else:
         model, raw_inputs = getattr(models, model_name)(**kwargs), _inputs(input_kind, batch)
     model = model.to(getattr(torch, dtype))
@@ -106,7 +109,8 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["output_dtype"] = str(out.dtype).removeprefix("torch.")
     errors["master_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in params.values()})
     code = all_code(pmodel)
-    errors["compute_copies"] = code.count("compute_copy(")
+    # weights cast for compute: a compute copy, or a gather that casts before it moves (ZeRO-2, FSDP)
+    errors["compute_copies"] = code.count("compute_copy(") + code.count(", torch.bfloat16, torch.float32)")
     errors["fused_attention"] = code.count("local_attention(")
     errors["redistributes"] = code.count("redistribute(")
     errors["checkpointed"] = code.count("checkpointed(")  # layers recomputed in backward

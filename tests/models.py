@@ -317,3 +317,45 @@ def dlrm_inputs(model: DLRM, batch: int = 8, bag: int = 4, seed: int = 1, hot: i
     ids = torch.stack([torch.randint(0, min(hot, rows), (batch, bag), generator=g) * (rows // min(hot, rows))
                        for rows in model.tables])
     return torch.randn(batch, model.bottom[0].in_features, generator=g), ids
+
+
+class JaggedDLRM(nn.Module):
+    """DLRM fed as DLRM and TorchRec feed it: each table's ids flat (1-D) with offsets marking
+    bags of varying size (empty ones too) — sum with per-sample weights, mean, and sum with
+    ``include_last_offset``."""
+
+    def __init__(self, tables: tuple[int, ...] = (4096, 1024, 64), dim: int = 8, dense: int = 4,
+                 hidden: int = 16) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+        self.embeddings = nn.ModuleList([nn.EmbeddingBag(tables[0], dim, mode="sum"),
+                                         nn.EmbeddingBag(tables[1], dim, mode="mean"),
+                                         nn.EmbeddingBag(tables[2], dim, mode="sum", include_last_offset=True)])
+        pairs = (len(tables) + 1) * len(tables) // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.tables = tables
+
+    def forward(self, dense, ids0, offsets0, weights0, ids1, offsets1, ids2, offsets2):
+        x = self.bottom(dense)
+        pooled = [self.embeddings[0](ids0, offsets0, per_sample_weights=weights0),
+                  self.embeddings[1](ids1, offsets1), self.embeddings[2](ids2, offsets2)]
+        features = torch.stack([x] + pooled, dim=1)
+        scores = torch.bmm(features, features.transpose(1, 2))
+        i, j = torch.triu_indices(features.shape[1], features.shape[1], offset=1)
+        return self.top(torch.cat([x, scores[:, i, j]], dim=1))
+
+
+def jagged_dlrm_inputs(model: JaggedDLRM, batch: int = 8, seed: int = 1, hot: int = 6) -> tuple:
+    """Dense features, and per table ids of bags of 0–5 ids (skewed over ``hot`` rows) with
+    their offsets (the last table's offsets end with the id count)."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(batch, model.bottom[0].in_features, generator=g)]
+    for t, rows in enumerate(model.tables):
+        lengths = torch.randint(0, 6, (batch,), generator=g)
+        lengths[1] = 0  # an empty bag in every table
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        ids = torch.randint(0, min(hot, rows), (int(lengths.sum()),), generator=g) * (rows // min(hot, rows))
+        inputs += [ids, offsets if t == 2 else offsets[:-1]]
+        if t == 0:
+            inputs.append(torch.rand(ids.numel(), generator=g))
+    return tuple(inputs)

@@ -279,3 +279,25 @@ def test_every_node_of_the_readme_gpt_plan_explains_at_least_two_alternatives():
         rows = explain(plan, name)["candidates"]
         assert all(r["compute_s"] >= 0 and r["reshard_s"] >= 0 for r in rows), (name, rows)
     assert "no other candidate" in explain_text(explain(plan, single[0]))
+
+
+def test_validate_names_placements_the_parameters_cannot_take(tmp_path, monkeypatch, capsys):
+    """A plan whose placements split a dim the parameter lacks, or one that does not divide
+    over its devices, no longer "matches the model" (lowering would fail on each)."""
+    from autopar import cli
+
+    monkeypatch.syspath_prepend(HERE)
+    path = tmp_path / "plan.json"
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "3xH100", "-o", str(path), "--json"]) == 0
+    plan = json.loads(path.read_text())
+    plan["parameters"]["layers.0.weight"]["placement"] = "S(7)"
+    plan["parameters"]["layers.0.bias"]["optimizer_state"] = "S(3)"
+    plan["parameters"]["layers.2.bias"]["placement"] = "S(0)"  # 8 rows over 3 devices
+    path.write_text(json.dumps(plan))
+    capsys.readouterr()
+    assert cli.main(["validate", str(path), "models:tiny_mlp", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert problems == [
+        "layers.0.bias: optimizer_state 'S(3)' splits dim 3, the parameter has 1 dims (shape [32])",
+        "layers.0.weight: placement 'S(7)' splits dim 7, the parameter has 2 dims (shape [32, 16])",
+        "layers.2.bias: placement 'S(0)' splits dim 0 of size 8 over 3 devices, which does not divide it"], problems

@@ -33,7 +33,7 @@ HARD_SEARCH = textwrap.dedent("""
 """)
 
 
-def _interrupt_on(proc: subprocess.Popen, marker: str) -> str:
+def _interrupt_on(proc: subprocess.Popen, marker: str, at_marker=lambda: None) -> str:
     """Send SIGINT once a line of proc's output (stdout with stderr merged in) contains ``marker``
     — the process says it got there, rather than the test guessing how long that takes — and
     return all its output. The watchdog only keeps a hung process from hanging the test suite."""
@@ -44,6 +44,7 @@ def _interrupt_on(proc: subprocess.Popen, marker: str) -> str:
         for line in proc.stdout:
             seen.append(line)
             if marker in line:
+                at_marker()
                 proc.send_signal(signal.SIGINT)
                 break
         else:
@@ -105,3 +106,88 @@ def test_cli_interrupted_inside_an_extension_import_says_interrupted(monkeypatch
         action.set_defaults(run=interrupted_import)
     assert cli.main(["plan", "bigmodel:build", "--cluster", "2xcpu", "-o", "plan.json"]) == 130
     assert "interrupted; nothing was written" in capsys.readouterr().err
+
+
+BLOCKED_WORKERS = textwrap.dedent("""
+    import time
+    from autopar import profile
+
+    def worker(rank):
+        time.sleep(600)  # a measurement that will not end by itself
+
+    if __name__ == "__main__":
+        profile._run_workers(worker, 2, ())
+""")
+
+
+def test_interrupted_profile_ends_its_workers_instead_of_waiting_for_them(tmp_path):
+    """A SIGINT to the parent alone while its measuring workers run: they are ended and the
+    parent stops (multiprocessing's exit handler would otherwise wait for them, here 600 s —
+    the watchdog's kill would show as -9). Their PIDs are gone afterwards."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_WORKERS)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(script)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    try:
+        while len(workers := _spawned_workers(proc.pid)) < 2 and proc.poll() is None:
+            threading.Event().wait(0.1)
+        proc.send_signal(signal.SIGINT)
+        output = proc.stdout.read()
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
+    # ended by the SIGINT itself (Python re-raises it on an uncaught KeyboardInterrupt), not killed
+    assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in output, (proc.returncode, output[-2000:])
+    assert [pid for pid in workers if _state(pid) not in ("gone", "Z")] == [], workers
+
+
+def _spawned_workers(parent: int) -> list[int]:
+    """PIDs of ``parent``'s multiprocessing workers (not its resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                ppid = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, StopIteration):
+            continue
+        if ppid == parent and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def test_profile_interrupted_ends_its_workers_and_writes_nothing(tmp_path):
+    """A SIGINT to the CLI alone (not its process group) while the gloo workers measure: the
+    workers are ended, not orphaned; exit 130, no cluster file."""
+    exe = shutil.which("autopar")
+    out = tmp_path / "cpu.yaml"
+    cmd = ([exe] if exe else [sys.executable, "-m", "autopar.cli"]) + [
+        "profile", "--world", "2", "--quick", "--out", str(out), "-v"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    workers: list[int] = []
+
+    def both_started() -> None:  # a worker shows as one once it has exec'd python's spawn_main
+        while len(found := _spawned_workers(proc.pid)) < 2 and proc.poll() is None:
+            threading.Event().wait(0.05)
+        workers.extend(found)
+    output = _interrupt_on(proc, "measuring collectives between 2 worker processes", both_started)
+    assert len(workers) == 2, (output, workers)
+    assert proc.returncode == 130, output
+    assert "interrupted; nothing was written" in output and not out.exists()
+    assert [pid for pid in workers if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"] == [], output
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line.split()[1] for line in f if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"

@@ -63,6 +63,54 @@ def test_fixed_bags_rewrite_matches_embedding_bag_forward_and_backward(mode, wei
     torch.testing.assert_close(grad, bag.weight.grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode,last,weighted", [("sum", False, False), ("sum", False, True), ("mean", False, False),
+                                                ("sum", True, True), ("mean", True, False)])
+def test_jagged_bags_rewrite_matches_embedding_bag_forward_and_backward(mode, last, weighted):
+    """Bags given by offsets (1-D ids, bags of 3, 0, 4 and 3 ids): every id looked up and
+    summed into its bag; an empty bag is zeros, as EmbeddingBag gives."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(50, 6, mode=mode, include_last_offset=last)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = bag
+
+        def forward(self, ids, offsets, weights):
+            return self.bag(ids, offsets, per_sample_weights=weights if weighted else None)
+
+    model = Model()
+    ids, weights = torch.randint(0, 50, (10,)), torch.rand(10)
+    offsets = torch.tensor([0, 3, 3, 7] + ([10] if last else []))
+    captured = capture(model, (ids, offsets, weights))
+    targets = {n.target for n in captured.graph.nodes if n.op == "call_function"}
+    assert not targets & {torch.ops.aten.embedding_bag.default, torch.ops.aten._embedding_bag.default,
+                          torch.ops.aten._embedding_bag_forward_only.default}, targets
+    rewritten = captured.program.module()
+    out, expected = rewritten(ids, offsets, weights), model(ids, offsets, weights)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert out[1].abs().max() == 0  # the empty bag
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(dict(rewritten.named_parameters())["bag.weight"].grad, bag.weight.grad, rtol=0,
+                               atol=1e-5)
+
+
+JAGGED = [("JaggedDLRM", {}, "jagged", 16, options) for options in (
+    {"configuration": "ddp"}, {"configuration": "row_wise"}, {"memory_fraction": 0.6})]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_jagged_dlrm_trains_like_one_process(world):
+    """DLRM fed as TorchRec feeds it (1-D ids + offsets, bags of 0–5 ids, sum with
+    per-sample weights, mean, include_last_offset) trains on gloo like one process: DDP,
+    tables row-sharded with lookups routed to the rows' owners, and under a memory limit."""
+    cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}) for case in JAGGED]
+    exchanges = assert_equivalent(cases, run_world(world, run_cases, cases))
+    assert "row_sharded" in exchanges, exchanges
+
+
 def test_touched_rows_come_from_user_inputs_or_uniform_draws():
     model = models.DLRM(tables=(1000, 64))
     dense, ids = models.dlrm_inputs(model, batch=32, bag=4, hot=6)

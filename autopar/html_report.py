@@ -21,6 +21,7 @@ from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
     experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
+    simulated_step_line,
     throughput_line)
 from autopar.units import format_bytes, format_seconds
 
@@ -88,7 +89,7 @@ def _schedule_svg(plan: Plan, width: int = 760, row: int = 24) -> str:
                               f'text-anchor="middle">{i}</text>')
     return (f'<svg width="{width}" height="{row * len(plan.stages)}" role="img">{"".join(shapes)}</svg>'
             f"<p class='legend'><span style='background:#2f80ed'></span>forward<span style='background:#f2994a'>"
-            f"</span>backward (micro-batch index; one step = {format_seconds(total)})</p>")
+            f"</span>backward (micro-batch index). {html.escape(simulated_step_line(plan))}</p>")
 
 
 def render(plan: Plan) -> str:

@@ -23,11 +23,28 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.passes.runtime import to_full
+from autopar.passes.runtime import ROW_ORDER_ATTR, to_full
 from autopar.passes.split_loss import averages_over_rows, batch_split, local_loss, local_outputs, local_rows
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
+
+
+class _ReorderedExperts:
+    """Says, once, when a checkpoint is taken of stacked expert weights stored in the plan's
+    balanced order (passes.expert_order): their rows, and their optimizer states, are saved in
+    that order, which only a plan with the same order reads back right."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.said = False
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        if not self.said:
+            self.said = True
+            log.warning("the state dict holds %s with their experts' rows in this plan's balanced order, not the "
+                        "model's: a checkpoint of it loads right only under a plan with the same expert order "
+                        "(pmodel.full_state_dict() gives the model's order)", ", ".join(self.names))
 
 
 class ParallelModule(nn.Module):
@@ -47,6 +64,9 @@ class ParallelModule(nn.Module):
         self._averages: bool | None = None  # whether loss_fn averages over rows (passes.split_loss)
         # lowers the plan at other input shapes and keeps each (passes.relower.Relowering)
         self.relowering = relowering
+        reordered = sorted(name for name, p in self.named_parameters() if hasattr(p, ROW_ORDER_ATTR))
+        if reordered:
+            self.register_state_dict_post_hook(_ReorderedExperts(reordered))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this rank holds, whole: sharded ones gathered, an expert

@@ -45,7 +45,8 @@ def summary(plan: Plan) -> str:
     if plan.stages:
         console.print(stages_table(plan))
         console.print(f"{plan.schedule} timeline, one step ({plan.micro_batches} micro-batches; digits: forward of "
-                      "that micro-batch, letters: backward (a = 0), '.' idle)")
+                      "that micro-batch, letters: backward (a = 0), '*' several in one cell, '.' idle)")
+        console.print(simulated_step_line(plan))
         for line in pipeline_timeline(plan):
             console.print(line, markup=False, highlight=False)
     if plan.replicas:
@@ -152,9 +153,26 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
     return spans
 
 
+def simulated_step_line(plan: Plan) -> str:
+    """The timeline's own length beside the plan's predicted step: the simulation waits for
+    every micro-batch's sends there and back, which the planner's formula overlaps with later
+    micro-batches (solvers.pipeline) — so where sends dominate they differ, and say so."""
+    spans = schedule_spans(plan)
+    simulated = max((end for row in spans for _, end, _, _ in row), default=0.0)
+    line = f"the timeline spans {format_seconds(simulated)}"
+    if simulated > 1.02 * plan.predicted_step_s:
+        line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula overlaps each "
+                 "micro-batch's sends with later micro-batches, the timeline waits for every round trip (a gap "
+                 "the planner does not yet count where sends dominate)")
+    elif simulated < 0.98 * plan.predicted_step_s:
+        line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula charges every "
+                 "micro-batch the busiest stage's pace, the timeline lets lighter stages run ahead")
+    return line
+
+
 def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
     """One text row per stage: which micro-batch's forward (digit) or backward (letter, a = 0)
-    runs when (:func:`schedule_spans`); '.' is idle."""
+    runs when (:func:`schedule_spans`); '*' where several share one cell, '.' is idle."""
     spans = schedule_spans(plan)
     total = max((end for row in spans for _, end, _, _ in row), default=0.0) or 1.0
     rows = []
@@ -162,8 +180,9 @@ def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
         cells = ["."] * width
         for start, end, kind, i in spans[s]:
             mark = str(i % 10) if kind == "F" else chr(ord("a") + i % 26)
-            for c in range(int(start / total * width), max(int(start / total * width) + 1, int(end / total * width))):
-                cells[min(c, width - 1)] = mark
+            first = min(int(start / total * width), width - 1)
+            for c in range(first, max(first + 1, min(int(end / total * width), width))):
+                cells[c] = mark if cells[c] in (".", mark) else "*"
         rows.append(f"stage {s} {st.group:>10} |{''.join(cells)}|")
     return rows
 

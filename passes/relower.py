@@ -3,16 +3,17 @@ evaluation at another batch size.
 
 A plan's placements do not depend on the batch size, but the lowered program does (the
 exported graph's views hold the planned shapes, and its inputs are guarded to them). So a call
-with other input shapes captures the model again at those shapes — on a fake copy made
-when the plan was applied (fake tensors, no weights copied; the user's model may be gone or
-changed by then)
-— checks that it is the planned graph (the same nodes and ops, only sizes differ) and that
-every dim the plan shards still divides over its devices, and lowers the plan onto it with the
-very parameters and buffers of the first lowering, so an optimizer's parameters, their
-gradients and the gradient synchronisation are shared. Each shape is lowered once and kept.
+with other input shapes captures the model again at those shapes, on a fake copy made when
+the plan was applied (fake tensors, no weights copied; the user's model may be gone or changed
+by then); checks that it is the planned graph (the same nodes and ops, only sizes differ) and
+that every dim the plan shards still divides over its devices; and lowers the plan onto it
+with the very parameters and buffers of the first lowering, so an optimizer's parameters,
+their gradients and the gradient synchronisation are shared. Each shape is lowered once and
+kept.
 
-    >>> pmodel(x[:4])      # planned at batch 8: lowered again for 4 rows, then kept  # doctest: +SKIP
-    >>> pmodel(x[:6])      # 2 ranks split the batch... 6 rows on 4 ranks would be refused  # doctest: +SKIP
+    >>> pmodel = autopar.apply(model, plan_at_batch_8)   # 4 ranks, batch split 4 ways  # doctest: +SKIP
+    >>> pmodel(x[:4])    # lowered again for 4 rows, then kept  # doctest: +SKIP
+    >>> pmodel(x[:6])    # refused: "... splits over 4 devices ...; use sizes that divide by 4"  # doctest: +SKIP
 
 Every rank must call with the same shapes (lowering creates no process group, but the
 collectives of the new program are matched rank by rank).

@@ -20,6 +20,7 @@ import autopar
 import autopar.cli
 from distributed import run_world
 from autopar.passes.runtime import full_value
+import models
 from models import MLP
 
 STEPS, LR = 3, 1e-2
@@ -55,6 +56,8 @@ def _save_after_three_steps(folder: str, cluster: str, options: dict) -> str:
 def _kind(plan) -> str:
     if plan.stages:
         return f"{len(plan.stages)} stages"
+    if plan.replicas:
+        return f"{len(plan.replicas)} replicas"
     return "+".join(sorted({p.optimizer_state or p.placement for p in plan.parameters.values()}))
 
 
@@ -87,6 +90,8 @@ ROUND_TRIPS = {  # (saved on 2 ranks under, loaded on 4 ranks under): cluster, o
     "ddp_to_fsdp": (("2xcpu", {"configuration": "ddp"}, "R"), ("4xcpu", {"configuration": "fsdp"}, "S(0)")),
     "pipeline_to_zero2": ((os.path.join(CLUSTERS, "two_cpu_regions.yaml"), {"pipeline": True, "micro_batches": 2},
                            "2 stages"), ("4xcpu", {"configuration": "zero2"}, "S(0)")),
+    "replicas_to_fsdp": ((os.path.join(CLUSTERS, "two_cpu_regions.yaml"), {"replicas": True}, "2 replicas"),
+                         ("4xcpu", {"configuration": "fsdp"}, "S(0)")),
 }
 
 
@@ -102,6 +107,30 @@ def test_a_checkpoint_saved_under_one_plan_loads_under_another_on_more_ranks(tmp
     for name, values in loaded["params"].items():
         error = (torch.tensor(values) - reference[name]).abs().max().item()
         assert error < 1e-5, (trip, name, error)
+
+
+def _state_dict_warning() -> list[str]:
+    """Take the state dict of an expert-parallel plan whose stacked experts are stored in the
+    balanced order; return what autopar logged."""
+    import logging
+
+    torch.manual_seed(0)
+    model, x = models.MoEGPT(d=32, hidden=256, experts=8, skew=1.0), torch.randint(0, 64, (32, 8))
+    pmodel = autopar.parallelize(model, (x,), cluster="2xcpu", pipeline=False, replicas=False)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("autopar.parallel").addHandler(handler)
+    get_state_dict(pmodel, torch.optim.AdamW(pmodel.parameters()))
+    pmodel.state_dict()  # said once
+    assert any(layer.get("order_applied") for layer in pmodel.plan.experts.values())
+    return records
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_of_experts_in_the_balanced_order_says_it_reads_back_only_under_that_order():
+    (said,) = run_world(2, _state_dict_warning)
+    assert "balanced order" in said and "blocks.0.moe.w_in" in said, said
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # this test's own single-process dcp calls

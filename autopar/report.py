@@ -154,19 +154,20 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
 
 
 def simulated_step_line(plan: Plan) -> str:
-    """The timeline's own length beside the plan's predicted step: the simulation waits for
-    every micro-batch's sends there and back, which the planner's formula overlaps with later
-    micro-batches (solvers.pipeline) — so where sends dominate they differ, and say so."""
+    """The timeline's own length beside the plan's predicted step. The timeline simulates the
+    schedule op by op from the stages' times; the planner's formula (solvers.pipeline) charges
+    every micro-batch after the first one pace — the busiest stage or link, or under 1F1B a
+    round trip shared by one micro-batch per stage — so the two differ, and the line says how."""
     spans = schedule_spans(plan)
     simulated = max((end for row in spans for _, end, _, _ in row), default=0.0)
     line = f"the timeline spans {format_seconds(simulated)}"
     if simulated > 1.02 * plan.predicted_step_s:
-        line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula overlaps each "
-                 "micro-batch's sends with later micro-batches, the timeline waits for every round trip (a gap "
-                 "the planner does not yet count where sends dominate)")
+        line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula overlaps "
+                 "sends and stages more than this schedule lets them")
     elif simulated < 0.98 * plan.predicted_step_s:
         line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula charges every "
-                 "micro-batch the busiest stage's pace, the timeline lets lighter stages run ahead")
+                 "micro-batch one pace (the busiest stage or link, or the round trip), the timeline lets stages "
+                 "run ahead where they can")
     return line
 
 

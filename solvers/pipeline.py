@@ -6,14 +6,18 @@ collectives) and its link to the next stage is busy for ``l_s`` plus a latency `
 The link is a pipeline stage of its own (sends overlap the next micro-batch's compute), so a
 1F1B or GPipe step takes
 
-    T = Σ_s (c_s + l_s + λ_s) + (m − 1) · max_s max(c_s, l_s)
+    T = Σ_s (c_s + l_s + λ_s) + (m − 1) · max(max_s max(c_s, l_s), Σ_s (c_s + l_s + λ_s) / k)
 
 the first micro-batch passes through every stage and link, the other ``m − 1`` follow at
 the pace of the busiest one (Narayanan et al. 2021; with equal stages the idle fraction is
-the bubble ``(p − 1)/(m + p − 1)``). ``T`` is minimised exactly as Alpa's stage DP does: for
-every candidate pace ``B`` (each pace that occurs), a dynamic program over (stage, first
-layer) finds the cut with the least ``Σ`` among those with every pace ``≤ B``; the best
-``Σ + (m − 1)·B`` over all ``B`` wins.
+the bubble ``(p − 1)/(m + p − 1)``) — or, under 1F1B, no faster than ``k = p`` micro-batches
+per round trip: stage 0 holds at most ``p`` micro-batches in flight (its ``p − 1`` warm-up
+forwards and one more), and each must come back through every stage and link before the
+next may start, which is what bounds the step when sends dominate (GPipe: no such bound).
+``T`` is minimised exactly as Alpa's stage DP does: for every candidate pace ``B`` (each
+pace that occurs), a dynamic program over (stage, first layer) finds the cut with the least
+``Σ`` among those with every pace ``≤ B``; ``T`` grows with ``Σ`` at a fixed ``B``, so the
+best ``T`` over all ``B`` is the optimum.
 
 Stage costs come from a callback (the intra-operator plan of those layers on that group),
 so this module sees numbers only.
@@ -50,11 +54,16 @@ class PipelineSolution:
     step_s: float
 
 
-def step_time(stages: list[StageTime], micro_batches: int) -> float:
-    """1F1B / GPipe step time from per-micro-batch stage times (formula above)."""
+def step_time(stages: list[StageTime], micro_batches: int, in_flight: int | None = None) -> float:
+    """1F1B / GPipe step time from per-micro-batch stage times (formula above); ``in_flight``:
+    the most micro-batches one round trip may carry (1F1B: the stage count; None: no bound)."""
     pace = max(st.pace for st in stages)
     total = sum(st.total_s for st in stages)
-    return math.inf if math.isinf(pace) or math.isinf(total) else total + (micro_batches - 1) * pace
+    if math.isinf(pace) or math.isinf(total):
+        return math.inf
+    if in_flight:
+        pace = max(pace, total / in_flight)
+    return total + (micro_batches - 1) * pace
 
 
 def bubble(num_stages: int, micro_batches: int) -> float:
@@ -63,10 +72,11 @@ def bubble(num_stages: int, micro_batches: int) -> float:
 
 
 def partition(num_layers: int, num_stages: int, micro_batches: int,
-              stage_time: Callable[[int, int, int], StageTime]) -> PipelineSolution | None:
+              stage_time: Callable[[int, int, int], StageTime], in_flight: int | None = None
+              ) -> PipelineSolution | None:
     """Best cut of layers ``[0, num_layers)`` into ``num_stages`` non-empty stages;
     ``stage_time(i, j, s)`` is stage ``s`` holding layers ``[i, j)`` (``inf`` if it does not
-    fit). Returns None when no cut fits."""
+    fit); ``in_flight`` as :func:`step_time`'s. Returns None when no cut fits."""
     if num_stages < 1 or num_layers < num_stages:
         return None
     table: dict[tuple[int, int, int], StageTime] = {}
@@ -84,7 +94,7 @@ def partition(num_layers: int, num_stages: int, micro_batches: int,
         if cut is None:
             continue
         cuts, times = cut
-        total = step_time(times, micro_batches)
+        total = step_time(times, micro_batches, in_flight)
         if best is None or total < best.step_s * (1 - 1e-12):
             best = PipelineSolution(tuple(cuts), tuple(t.total_s for t in times), total)
     return best

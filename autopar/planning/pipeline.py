@@ -81,7 +81,9 @@ class PipelineStages:
                                    f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "
                                    f"such as blocks.0) but the cluster has {len(groups)} groups; pipeline stages are "
                                    "cut between layers: use fewer groups or plan without pipeline stages")
-            found = partition(len(stages.layers), len(groups), m, stages.time_s)
+            # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
+            found = partition(len(stages.layers), len(groups), m, stages.time_s,
+                              in_flight=len(groups) if options.schedule == "1F1B" else None)
             tried.append({"micro_batches": m, "cuts": list(found.cuts) if found else None,
                           "predicted_step_s": found.step_s if found else None})
             if found is None:

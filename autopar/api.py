@@ -26,7 +26,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
          schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
          configuration: str | None = None, sparsity: dict[str, float] | None = None,
-         symbolic: bool = False, mixed_precision=None, recompute: str = "auto") -> Plan:
+         symbolic: bool = False, mixed_precision=None, recompute: str = "auto", overlap: bool = True,
+         bucket_cap_mb: float = 25.0) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -51,6 +52,12 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     ``recompute``: activation checkpointing — ``"auto"`` recomputes every layer in backward
     (``torch.utils.checkpoint``) only when no plan keeping every activation fits, ``"full"``
     always, ``"none"`` never.
+    ``overlap``: cost each layer's parameter collectives (weight gathers prefetched, gradient
+    reductions during backward) as hidden behind its compute, for the fraction the device
+    reaches (its ``overlap_efficiency``: 0.9 for GPUs, 0 for the uncalibrated ``cpu``; ``autopar
+    profile`` measures a host); ``False`` adds every collective to the step. ``bucket_cap_mb``:
+    the lowered program all-reduces replicated parameters' gradients in buckets of this many
+    MiB, each as soon as it fills during backward (DistributedDataParallel's default, 25).
     """
     from autopar.planning import ModelGraphs, PlanOptions, Precision, choose
 
@@ -58,7 +65,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     options = PlanOptions(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, mesh_shape=mesh_shape,
                           cluster_layers=cluster_layers, pipeline=pipeline, micro_batches=micro_batches,
                           schedule=schedule, replicas=replicas, batch_split=batch_split, configuration=configuration,
-                          sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision), recompute=recompute)
+                          sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision), recompute=recompute,
+                          overlap=overlap, bucket_cap_mb=bucket_cap_mb)
     return choose(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), target, options)
 
 

@@ -179,7 +179,10 @@ def summary_json(plan) -> dict:
                    "bound": plan.solver["bound_s"], "solve_s": plan.timings.get("solve_s") if plan.timings else None,
                    "variables": plan.solver.get("variables")},
         "predicted_compute_s": plan.predicted_compute_s,
-        "predicted_comm_s": plan.predicted_comm_s,
+        "predicted_comm_s": plan.predicted_comm_s,  # every collective, hidden or not
+        # what overlap could not hide: predicted_step_s ≈ compute + this on one mesh
+        "predicted_exposed_comm_s": plan.predicted_exposed_comm_s
+        if plan.predicted_exposed_comm_s is not None else plan.predicted_comm_s,
         "comm_bytes_per_step": plan.comm_bytes if not (plan.stages or plan.replicas) else None,
         "top_nodes": top_nodes(plan),
         "layers": layer_groups(plan),
@@ -252,7 +255,7 @@ def _plan_for_cli(autopar, args, model, inputs):
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
                         batch_split=args.batch_split,
                         symbolic=bool(args.batch_size), mixed_precision=args.precision,
-                        recompute=args.recompute)
+                        recompute=args.recompute, overlap=not args.no_overlap)
 
 
 def _cmd_show(args) -> int:
@@ -400,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
                    help="activation checkpointing of every layer (selective: cheap ops only); auto: the first of "
                         "none, selective, full that fits")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="cost every collective on the critical path (by default a layer's weight gathers and "
+                        "gradient reductions hide behind its compute, as far as the device overlaps)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")

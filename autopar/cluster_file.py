@@ -156,7 +156,8 @@ def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
         compute_efficiency=min(d.compute_efficiency for d in devices),
         memory_efficiency=min(d.memory_efficiency for d in devices), aliases=(),
         class_efficiency=_weakest(devices, "class_efficiency"),
-        collective_efficiency=_weakest(devices, "collective_efficiency"))
+        collective_efficiency=_weakest(devices, "collective_efficiency"),
+        overlap_efficiency=min(d.overlap_efficiency for d in devices))
 
 
 def _weakest(devices: list[DeviceSpec], field: str) -> tuple[tuple[str, float], ...]:
@@ -175,7 +176,9 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
 
     Figures are what kernels reach (efficiency 1 unless ``compute_efficiency`` says otherwise);
     ``op_overhead_us`` is a fixed time per executed op; ``op_class_efficiency`` maps op classes
-    (matmul, conv, pool, reduction, elementwise) to the fraction of the roofline they reach."""
+    (matmul, conv, pool, reduction, elementwise) to the fraction of the roofline they reach;
+    ``overlap_efficiency`` (0–1, default 0.9 as the catalog's GPUs) is the fraction of overlappable communication the
+    device hides behind compute (``autopar profile`` measures it)."""
     if not isinstance(section, dict):
         raise _fail(where("devices"), "`devices` must map names to {peak_TFLOPS, memory_GB, memory_bandwidth_GBps}")
     found = {}
@@ -207,6 +210,7 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
                                            key + ("op_class_efficiency",)),
             collective_efficiency=_efficiencies(spec.get("collective_efficiency", {}), COLLECTIVES, where,
                                                 key + ("collective_efficiency",)),
+            overlap_efficiency=_fraction(spec.get("overlap_efficiency", DeviceSpec.overlap_efficiency), where, key + ("overlap_efficiency",)),
             source=str(spec.get("source", "defined in the cluster file")))
     return found
 
@@ -253,6 +257,12 @@ def _number(value, where, key, allow_zero=False) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
         raise _fail(where(*key), f"`{key[-1]}` must be a {'non-negative' if allow_zero else 'positive'} number, "
                     f"got {value!r}")
+    return float(value)
+
+
+def _fraction(value, where, key) -> float:
+    if _number(value, where, key, allow_zero=True) > 1:
+        raise _fail(where(*key), f"`{key[-1]}` is a fraction between 0 and 1, got {value!r}")
     return float(value)
 
 

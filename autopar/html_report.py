@@ -20,7 +20,7 @@ from rich.console import Console
 from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
-    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
+    exposed_comm_s, experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
     simulated_step_line,
     throughput_line)
 from autopar.units import format_bytes, format_seconds
@@ -99,7 +99,7 @@ def render(plan: Plan) -> str:
             f"<p>mesh {list(plan.mesh_shape)} {list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver "
             f"{html.escape(plan.solver['status'])}; predicted step <b>{format_seconds(plan.predicted_step_s)}</b> "
             f"(compute {format_seconds(plan.predicted_compute_s)}, communication "
-            f"{format_seconds(plan.predicted_comm_s)}); imbalance (max/mean over devices): busy time "
+            f"{format_seconds(plan.predicted_comm_s)}, exposed {format_seconds(exposed_comm_s(plan))}); imbalance (max/mean over devices): busy time "
             f"{spread['time']:.2f}, memory {spread['memory']:.2f}</p>",
             f"<p>{html.escape(precision_line(plan))}; {html.escape(throughput_line(plan))}; "
             f"{html.escape(recompute_line(plan))}</p>",
@@ -121,9 +121,18 @@ def render(plan: Plan) -> str:
         f"<span style='background:{c}'></span>{n}" for n, c in (("params", "#2f80ed"), ("grads", "#56ccf2"),
                                                                ("optimizer", "#9b51e0"), ("activations", "#f2994a")))
         + "</p>")
-    body.append("<h2>Time per step</h2>" + _bar([("compute", plan.predicted_compute_s, "#27ae60"),
-                                                  ("communication", plan.predicted_comm_s, "#eb5757")],
-                                                 plan.predicted_step_s))
+    hidden = max(plan.predicted_comm_s - exposed_comm_s(plan), 0.0)
+    body.append("<h2>Time per step</h2><table><tr><td>compute stream</td><td>"
+                + _bar([("compute", plan.predicted_compute_s, "#27ae60"),
+                        ("exposed communication", exposed_comm_s(plan), "#eb5757")], plan.predicted_step_s)
+                + "</td></tr><tr><td>communication stream</td><td>"
+                + _bar([("hidden communication", hidden, "#f4a6a6"),
+                        ("exposed communication", exposed_comm_s(plan), "#eb5757")], plan.predicted_step_s)
+                + "</td></tr></table><p class='legend'>" + "".join(
+                    f"<span style='background:{c}'></span>{n} {format_seconds(t)}" for n, t, c in (
+                        ("compute", plan.predicted_compute_s, "#27ae60"),
+                        ("exposed communication", exposed_comm_s(plan), "#eb5757"),
+                        ("hidden communication (overlapped with compute)", hidden, "#f4a6a6"))) + "</p>")
     if plan.stages:
         body.append(f"<h2>Pipeline schedule</h2><p>{plan.schedule}, {plan.micro_batches} micro-batches, bubble "
                     f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _rich_table(stages_table(plan)))

@@ -254,6 +254,10 @@ class Plan:
     # per output, split along their batch dim where the work was (autopar.parallel computes the
     # loss on them in place); empty: gathered whole on every device
     outputs: tuple[str, ...] = ()
+    # the communication overlap could not hide behind compute (issue 20): predicted_step_s ≈
+    # predicted_compute_s + this on one mesh; None in plans made before overlap was modelled
+    # (their communication was all exposed: predicted_comm_s)
+    predicted_exposed_comm_s: float | None = None
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -336,6 +340,7 @@ class Plan:
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
                 symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}), recompute=d.get("recompute", {}),
                 outputs=tuple(d.get("outputs", ())), recompute_cost=d.get("recompute_cost", {}),
+                predicted_exposed_comm_s=d.get("predicted_exposed_comm_s"),
                 family=d["family"],
                 families=d["families"], schema_version=version,
             )

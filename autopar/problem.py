@@ -39,6 +39,12 @@ class Edge:
     # (u, v) -> seconds of that reshard even where ``cost`` forbids the pair (a "follow" edge keeps
     # the solver on its diagonal): what explaining an alternative with its neighbours fixed pays
     unrestricted: Callable[[int, int], float | None] | None = field(default=None, compare=False, repr=False)
+    # overlap group whose compute hides this edge's communication (-1: on the critical path).
+    # Only a parameter's edges are overlappable: its gathers can be prefetched and its gradient
+    # reduced while the layer's backward runs, as FSDP2 and DDP do
+    group: int = -1
+    # [u][v] the part of ``cost`` paid in forward (the rest in backward); None: all in backward
+    forward_cost: list[list[float | None]] | None = field(default=None, compare=False, repr=False)
 
     def members(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Strategies of the producer per class u, and of the consumer per class v."""
@@ -77,6 +83,15 @@ class ShardingProblem:
     # (node, strategy) pairs the solver may not choose (the dense baselines exclude sparse exchange)
     excluded: frozenset[tuple[int, int]] = frozenset()
     node_count: list[int] | None = None  # identical graph nodes per problem node (None: all 1)
+    # Overlap (issue 20): nodes and edges in one overlap group (a layer) share a compute and a
+    # communication stream; the group's step time is max(compute, overlappable communication)
+    # instead of their sum, for the fraction ``overlap_efficiency`` the device reaches.
+    node_group: list[int] | None = None  # per node, its group (-1: none)
+    node_comm: list[list[float]] | None = None  # per node and strategy, the part of its cost that is
+    # communication it makes itself (an expert dispatch, a sparse exchange): exposed, not compute
+    node_forward: list[list[float]] | None = None  # per node and strategy, its forward compute (the
+    # rest of its compute is backward); None: all of it in one phase
+    overlap_efficiency: float = 0.0
 
     def count(self, i: int) -> int:
         return 1 if self.node_count is None else self.node_count[i]
@@ -91,9 +106,45 @@ class ShardingProblem:
     def compute(self, choice: list[int]) -> float:
         return sum(self.count(i) * self.node_costs[i][s] for i, s in enumerate(choice))
 
+    def own_comm(self, choice: list[int]) -> float:
+        """The communication inside node costs (exchanges strategies make themselves)."""
+        if self.node_comm is None:
+            return 0.0
+        return sum(self.count(i) * self.node_comm[i][s] for i, s in enumerate(choice))
+
     def evaluate(self, choice: list[int]) -> float:
-        """Objective of a full assignment (``inf`` when an edge pair is forbidden)."""
-        return self.compute(choice) + sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+        """Objective of a full assignment (``inf`` when an edge pair is forbidden): every cost
+        summed, less what overlap hides (:meth:`hidden_comm`)."""
+        total = self.compute(choice) + sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+        if not self.overlap_efficiency or total == math.inf:
+            return total
+        return total - self.hidden_comm(choice)
+
+    def group_times(self, choice: list[int]) -> dict[tuple[int, str], tuple[float, float]]:
+        """Per overlap group and phase ("forward", "backward") with overlappable communication:
+        (its compute, that communication), every copy of a repeated node or edge counted."""
+        comm: dict[tuple[int, str], float] = {}
+        for e in self.edges:
+            if e.group >= 0:
+                total = e.count * e.pair_cost(choice[e.src], choice[e.dst])
+                forward = e.count * e.forward_cost[e.src_class[choice[e.src]]][e.dst_class[choice[e.dst]]] \
+                    if e.forward_cost else 0.0
+                for phase, part in (("forward", forward), ("backward", total - forward)):
+                    comm[(e.group, phase)] = comm.get((e.group, phase), 0.0) + part
+        compute = dict.fromkeys(comm, 0.0)
+        for i, s in enumerate(choice):
+            g = -1 if self.node_group is None else self.node_group[i]
+            if (g, "forward") in compute:
+                own = 0.0 if self.node_comm is None else self.node_comm[i][s]
+                forward = 0.0 if self.node_forward is None else self.node_forward[i][s]
+                compute[(g, "forward")] += self.count(i) * forward
+                compute[(g, "backward")] += self.count(i) * (self.node_costs[i][s] - own - forward)
+        return {key: (compute[key], comm[key]) for key in comm}
+
+    def hidden_comm(self, choice: list[int]) -> float:
+        """Communication overlap hides: η·min(compute, overlappable communication) per group
+        and phase (its time is (1−η)·(C+O) + η·max(C, O) = C + O − η·min(C, O))."""
+        return self.overlap_efficiency * sum(_least(c, o) for c, o in self.group_times(choice).values())
 
     def min_memory(self) -> int:
         """Memory of the least memory-hungry strategy of every node (a lower bound)."""
@@ -101,6 +152,13 @@ class ShardingProblem:
 
     def feasible(self, choice: list[int]) -> bool:
         return math.isfinite(self.evaluate(choice)) and self.memory(choice) <= self.memory_limit_bytes
+
+
+def _least(a, b):
+    """min(a, b), also of sympy expressions (a symbolic plan's times): (a + b − |a − b|) / 2."""
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return min(a, b)
+    return (a + b - abs(a - b)) / 2
 
 
 @dataclass(frozen=True)

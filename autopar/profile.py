@@ -136,6 +136,35 @@ def _collective_times(world: int, sizes: list[int], repeats: int) -> dict[str, l
     return times
 
 
+def overlap_efficiency(nbytes: int = 2**22, repeats: int = 5) -> float:
+    """The fraction of an all-reduce this host hides behind compute issued while it runs, as
+    the lowered program issues gradient buckets (``async_op=True``, then matmuls, then
+    ``wait``): (t_compute + t_all_reduce − t_both) / min(t_compute, t_all_reduce), the compute
+    sized to take about as long as the all-reduce; clipped to [0, 1]. Called on every rank of
+    the group alike (the collectives must match); each returns its own measurement."""
+    flat, a = torch.ones(nbytes // 4), torch.randn(256, 256)
+    reduce_s = _median_time(lambda: dist.all_reduce(flat), repeats, before=dist.barrier)
+    matmul_s = _median_time(lambda: a @ a, repeats)
+    count = max(1, round(reduce_s / matmul_s))
+    counts = torch.tensor([count])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the same work on every rank
+    count = int(counts)
+
+    def compute():
+        for _ in range(count):
+            a @ a
+
+    def both():
+        work = dist.all_reduce(flat, async_op=True)
+        compute()
+        work.wait()
+
+    compute_s = _median_time(compute, repeats, before=dist.barrier)
+    both_s = _median_time(both, repeats, before=dist.barrier)
+    hidden = compute_s + reduce_s - both_s
+    return min(1.0, max(0.0, hidden / min(compute_s, reduce_s)))
+
+
 def _side(nbytes: int, world: int) -> int:
     """Side of the square fp32 tensor of about ``nbytes`` whose rows split evenly over ``world``."""
     return max(world, int((nbytes / 4) ** 0.5) // world * world)
@@ -158,11 +187,15 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
         box = [fit_collectives([4 * _side(b, world) ** 2 for b in sizes], times, world)]
         dist.broadcast_object_list(box, src=0)  # every rank calibrates with rank 0's link figures
         link = box[0]
-        device = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"])
+        box = [round(overlap_efficiency(max(sizes), repeats), 3)]
+        dist.broadcast_object_list(box, src=0)
+        overlap = box[0]
+        device = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"],
+                      overlap_efficiency=overlap)
         overhead = _calibrated_op_overhead(device, world, repeats)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(repr((link, overhead)))
+                f.write(repr((link, overhead, overlap)))
     finally:
         dist.destroy_process_group()
     # Device meshes still hold gloo groups; freeing them while the interpreter finalises aborts now
@@ -225,10 +258,11 @@ def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
 
 
 def collective_link(world: int = 2, sizes: tuple[int, ...] = (2**10, 2**16, 2**20, 2**22, 2**24),
-                    repeats: int = 5, device: dict | None = None) -> tuple[dict, float]:
-    """The link between ``world`` local gloo processes (:func:`fit_collectives`), and the
+                    repeats: int = 5, device: dict | None = None) -> tuple[dict, float, float]:
+    """The link between ``world`` local gloo processes (:func:`fit_collectives`), the
     per-op cost there (seconds) calibrated on a step of a small model on ``device`` (a
-    cluster file's device entry with its ``name``; measured here when not given)."""
+    cluster file's device entry with its ``name``; measured here when not given), and the
+    fraction of communication the host hides behind compute (:func:`overlap_efficiency`)."""
     if device is None:
         device = _device_entry("cpu-local", world, quick=True)
     with socket.socket() as s:
@@ -238,8 +272,8 @@ def collective_link(world: int = 2, sizes: tuple[int, ...] = (2**10, 2**16, 2**2
         out = os.path.join(tmp, "times")
         _run_workers(_collective_worker, world, (world, port, list(sizes), repeats, device, out))
         with open(out) as f:
-            link, overhead = eval(f.read(), {})  # figures we wrote ourselves
-    return link, overhead
+            link, overhead, overlap = eval(f.read(), {})  # figures we wrote ourselves
+    return link, overhead, overlap
 
 
 def _run_workers(worker, world: int, args: tuple) -> None:
@@ -307,8 +341,8 @@ def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False
     repeats = 2 if quick else 5
     device = _device_entry(name, world, quick)
     sizes = (2**10, 2**20, 2**22) if quick else (2**10, 2**16, 2**20, 2**22, 2**24)
-    link, overhead = collective_link(world, sizes, repeats, device) if world > 1 \
-        else ({"bandwidth_Bps": 2 * GB, "latency_s": 50e-6, "efficiency": {}}, 0.0)
+    link, overhead, overlap = collective_link(world, sizes, repeats, device) if world > 1 \
+        else ({"bandwidth_Bps": 2 * GB, "latency_s": 50e-6, "efficiency": {}}, 0.0, 0.0)
     device.pop("name")
     return {
         "devices": {name: {
@@ -316,6 +350,7 @@ def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False
             "intra_node": _link_entry(link, device),
             "collective_efficiency": link["efficiency"],
             "op_overhead_us": round(overhead * 1e6, 2),
+            "overlap_efficiency": overlap,
             "source": f"autopar profile on {socket.gethostname()}, {time.strftime('%Y-%m-%d')}, "
                       f"{max(1, (os.cpu_count() or 1) // world)} threads per device",
         }},

@@ -21,8 +21,7 @@ def summary(plan: Plan) -> str:
     timing = f", planned in {plan.timings['plan_s']:.1f} s" if plan.timings else ""
     console.print(f"[bold]autopar plan[/] for {plan.cluster['spec']}: mesh {list(plan.mesh_shape)} "
                   f"{list(plan.mesh_dim_names)}, {len(plan.nodes)} nodes, solver {plan.solver['status']}{timing}")
-    console.print(f"predicted step {format_seconds(plan.predicted_step_s)} = compute "
-                  f"{format_seconds(plan.predicted_compute_s)} + communication {format_seconds(plan.predicted_comm_s)}")
+    console.print(step_line(plan))
     console.print(precision_line(plan))
     console.print(throughput_line(plan))
     console.print(recompute_line(plan))
@@ -244,6 +243,22 @@ def recompute_line(plan: Plan) -> str:
                  f"{format_bytes(plan.memory.activations_bytes)} of activations instead of "
                  f"{format_bytes(cost['activations_kept_bytes'])}")
     return line
+
+
+def exposed_comm_s(plan: Plan) -> float:
+    """The communication overlap did not hide (all of it in plans made before overlap)."""
+    return plan.predicted_comm_s if plan.predicted_exposed_comm_s is None else plan.predicted_exposed_comm_s
+
+
+def step_line(plan: Plan) -> str:
+    """The step as compute plus what communication adds to it, and what overlap hid."""
+    line = f"predicted step {format_seconds(plan.predicted_step_s)} = compute {format_seconds(plan.predicted_compute_s)}"
+    exposed = exposed_comm_s(plan)
+    hidden = plan.predicted_comm_s - exposed
+    if hidden <= 1e-3 * plan.predicted_comm_s:
+        return line + f" + communication {format_seconds(plan.predicted_comm_s)}"
+    return (line + f" + exposed communication {format_seconds(exposed)} (of {format_seconds(plan.predicted_comm_s)}: "
+            f"{format_seconds(hidden)} hidden behind compute)")
 
 
 def precision_line(plan: Plan) -> str:

@@ -39,7 +39,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
-from autopar.passes.reshard_cost import reshard_s, unit_links
+from autopar.passes.reshard_cost import reshard_forward_s, reshard_s, unit_links
 from autopar.passes.node_memory import (
     ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
 from autopar.passes.sparse import (
@@ -79,7 +79,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
                   symbolic: bool = False, tables_whole: bool = False,
                   recompute: str | None = None, zero: bool = True,
-                  loss_on_outputs: bool = False) -> tuple[ShardingProblem, ProblemIndex]:
+                  loss_on_outputs: bool = False, overlap_efficiency: float = 0.0
+                  ) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -99,13 +100,18 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
     their batch dim (dim 0) where the work was, and the loss's fp32 copies of them are counted
     (passes.node_memory.loss_bytes); else they are gathered whole and nothing is counted for them
-    (a pipeline stage sends them on)."""
+    (a pipeline stage sends them on). ``overlap_efficiency`` (η > 0): each layer (the nodes
+    outside every layer: one more group) is an overlap group — its parameters' collectives
+    (weight gathers, prefetched one layer ahead as FSDP2 does, and gradient reductions, issued
+    during backward as DDP's buckets are) hide behind its compute for the fraction η
+    (autopar.problem, solvers.formulation); every other collective stays on the critical path."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
     members = expert_members(graph)
     tables = table_wise_tables(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
+    own_comm, forward_compute, node_group, group_of = [], [], [], {}  # overlap (autopar.problem)
     parameter_memory: dict[int, list[ParameterBytes]] = {}
     recomputed: dict[int, tuple[list[int], list[int], bool]] = {}
     kept_without_recompute: dict[int, list[int]] = {}
@@ -142,6 +148,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                 copies = activation_copies if kind == "input" else 1
                 mem = [copies * tensor_bytes(val) // _shards(s.outputs[0], mesh.shape) for s in options]
             cost = [0.0] * len(options)
+            exchange, forward, group = cost, cost, -1
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]
             op_cost = node.meta[COST_KEY]
@@ -151,7 +158,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             factor = (3 if node.name in grad_nodes else 1) + rerun
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
             forward = [timed.time_s(device, work_split(s, mesh.shape)) for s in options]
-            cost = [factor * f + _exchange_s(node, s, mesh, device) for f, s in zip(forward, options)]
+            exchange = [_exchange_s(node, s, mesh, device) for s in options]
+            cost = [factor * f + x for f, x in zip(forward, exchange)]
+            group = group_of.setdefault(node_layer(node) or "", len(group_of))
             if rerun:
                 rerun_s[len(names)] = forward
             saved = node.meta[SAVED_KEY]
@@ -170,6 +179,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         strategies.append(options)
         kinds.append(kind)
         costs.append(cost)
+        own_comm.append(exchange)
+        forward_compute.append(forward)
+        node_group.append(group)
         memory.append(mem)
         counts.append(1)
         fallback.append(bool(node.meta.get(FALLBACK_KEY, False)))
@@ -188,6 +200,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     strategies.append(_sink_strategies(graph, captured, out_args, mesh.shape, loss_on_outputs))
     kinds.append("output")
     costs.append([0.0] * len(strategies[-1]))
+    own_comm.append(costs[-1])
+    forward_compute.append(costs[-1])
+    node_group.append(-1)
     memory.append([activation_copies * loss_bytes(out_args, sink, mesh.shape) if loss_on_outputs else 0
                    for sink in strategies[-1]])
     counts.append(1)
@@ -215,13 +230,16 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                 edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], nbytes, key[4], key[5], mesh,
                                    follow=consumer is not None and _follows(consumer, a),
                                    sync_nbytes=_master_grad_bytes(captured, producer, out_index, nbytes)
-                                   if key[5] else None))
+                                   if key[5] else None,
+                                   group=node_group[j] if key[5] and overlap_efficiency else -1))
             else:
                 k = edge_at[key]
                 edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
             edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
-    problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts)
+    problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts,
+                              node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
+                              overlap_efficiency=overlap_efficiency)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
                                  kept_without_recompute, rerun_s)
 
@@ -376,7 +394,7 @@ def _tensor_index(node: torch.fx.Node, out_index: int) -> int:
 
 
 def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False,
-          sync_nbytes=None) -> Edge:
+          sync_nbytes=None, group: int = -1) -> Edge:
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
@@ -398,8 +416,12 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], unit_links(mesh)) or 0.0
     def unrestricted(u: int, v: int) -> float | None:
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], mesh)
+    forward = None
+    if group >= 0:  # overlappable: what of it the forward pays (passes.reshard_cost.reshard_forward_s)
+        forward = [[None if c is None else reshard_forward_s(u[0], v, nbytes, mesh, u[1] if u[1] != u[0] else None)
+                    for c, (v, _) in zip(row, dst_classes)] for row, u in zip(cost, src_classes)]
     return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
-                volume=volume, unrestricted=unrestricted if follow else None)
+                volume=volume, unrestricted=unrestricted if follow else None, group=group, forward_cost=forward)
 
 
 def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],

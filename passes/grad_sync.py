@@ -1,14 +1,19 @@
 """Gradient synchronisation of a lowered module: each parameter's accumulated gradient is
 brought to the parameter's own placement once per backward pass, the pending sums that only
-need an all-reduce flattened into one buffer per mesh dims and dtype (DistributedDataParallel's
-buckets), the rest redistributed one by one."""
+need an all-reduce flattened into buckets per mesh dims and dtype (DistributedDataParallel's)
+and all-reduced asynchronously while the backward pass goes on (:class:`GradientSync`), the
+rest redistributed one by one."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 
 
 def sync_grad(param: nn.Parameter) -> None:
@@ -68,18 +73,71 @@ def all_reduce_flat(tensors: list[torch.Tensor], groups: list) -> list[torch.Ten
 
 
 class GradientSync:
-    """Synchronises gradients once per backward pass: each parameter reports when its gradient
-    is accumulated, and the first report queues :func:`sync_grads` to run when autograd's
-    engine finishes the pass (the callback DistributedDataParallel uses for its buckets)."""
+    """Synchronises gradients during the backward pass, as DistributedDataParallel does: each
+    parameter reports when its gradient is accumulated; a gradient that only needs an
+    all-reduce joins the bucket of its (mesh dims, dtype), and a bucket holding
+    ``bucket_bytes`` is all-reduced at once, asynchronously (``async_op=True``: the collective
+    runs while autograd computes the earlier layers' gradients). The first report queues
+    :meth:`flush` for when autograd's engine finishes the pass: it launches the partly filled
+    buckets, waits for every bucket (``Work.wait``), writes the sums back as the gradients,
+    and redistributes the rest (reduce-scatters into sharded parameters, experts on their
+    owners' sub-meshes) one by one. ``mesh``: the module's mesh — only its parameters' buckets
+    go early (every rank reports them in the same order, so the collectives match)."""
 
-    def __init__(self) -> None:
-        self.pending: list[nn.Parameter] = []
+    def __init__(self, mesh=None, bucket_bytes: int = DDP_BUCKET_BYTES) -> None:
+        self.mesh = mesh
+        self.bucket_bytes = bucket_bytes
+        self.pending: list[nn.Parameter] = []  # synchronised at the end of the pass
+        self.filling: dict[tuple, list[nn.Parameter]] = {}  # (mesh dims, dtype) -> bucket being filled
+        self.in_flight: list[_Bucket] = []
+        self.started = False
 
     def __call__(self, param: nn.Parameter) -> None:
-        if not self.pending:
+        if not self.started:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        self.pending.append(param)
+            self.started = True
+        dims = _bucket_dims(param) if self.mesh is not None and param.device_mesh is self.mesh else None
+        if not dims:
+            self.pending.append(param)
+            return
+        key = (dims, param.grad.dtype)
+        members = self.filling.setdefault(key, [])
+        members.append(param)
+        if sum(p.grad.to_local().nbytes for p in members) >= self.bucket_bytes:
+            self._launch(key)
+
+    def _launch(self, key: tuple) -> None:
+        members = self.filling.pop(key)
+        groups = [self.mesh.get_group(d) for d in key[0]]
+        flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])
+        work = dist.all_reduce(flat, group=groups[0], async_op=True)
+        self.in_flight.append(_Bucket(members, flat, work, groups[1:]))
 
     def flush(self) -> None:
+        for key in list(self.filling):
+            self._launch(key)
+        in_flight, self.in_flight = self.in_flight, []
         pending, self.pending = self.pending, []
+        self.started = False
+        for bucket in in_flight:
+            bucket.work.wait()
+            for group in bucket.later_groups:  # a gradient pending on several mesh dims: one after the other
+                dist.all_reduce(bucket.flat, group=group)
+            offset = 0
+            for param in bucket.members:
+                n = param.grad.to_local().numel()
+                part = bucket.flat[offset:offset + n].view_as(param.grad.to_local())
+                offset += n
+                param.grad = DTensor.from_local(part, self.mesh, param.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
         sync_grads(pending)
+
+
+@dataclass
+class _Bucket:
+    """One all-reduce in flight: its parameters, their gradients flattened, the collective."""
+
+    members: list[nn.Parameter]
+    flat: torch.Tensor
+    work: dist.Work
+    later_groups: list  # the other mesh dims' groups, reduced once the first is done

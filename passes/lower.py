@@ -45,7 +45,7 @@ from autopar.passes.materialize import check_initialisable, materialized, on_met
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
-from autopar.passes.grad_sync import GradientSync
+from autopar.passes.grad_sync import DDP_BUCKET_BYTES, GradientSync
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
 from autopar.passes.stack_experts import expert_members, owner
@@ -113,7 +113,8 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     # unlifted module holds a separate copy under the other; every name gets the one DTensor
     alias_of = captured.aliases
     placed: dict[str, tuple[str, tuple[str, str]]] = {}  # alias -> (planned fqn, (placement, optimizer state))
-    gradient_sync = GradientSync()
+    bucket_mb = plan.options.get("bucket_cap_mb")  # recorded only when not DDP's default
+    gradient_sync = GradientSync(mesh, DDP_BUCKET_BYTES if bucket_mb is None else int(bucket_mb * 2**20))
     owned = {name for name, _ in gm.named_parameters(remove_duplicate=False)}  # a stage holds only its own
     for fqn, pplan in plan.parameters.items():
         if fqn not in owned:

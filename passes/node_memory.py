@@ -59,6 +59,8 @@ def zero_twins(options: list[Strategy], val: torch.Tensor, mesh_shape: tuple[int
     twins = []
     for option in options:
         spec = option.outputs[0]
+        if pl.O in spec or pl.D in spec:  # an expert's weight on its owner: its states stay with it
+            continue
         whole = [d for d, p in enumerate(spec) if p is pl.R]
         for dims in [(d,) for d in whole] + ([tuple(whole)] if len(whole) > 1 else []):
             state = _split_on(val, spec, dims, mesh_shape)

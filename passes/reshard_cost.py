@@ -41,6 +41,8 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
     gather casts the fp32 master before it moves and reduces the gradient in float32 onto it
     (FSDP2's ``reduce_dtype``; passes.lower); other reshards move the compute dtype both ways.
     """
+    if src != dst and (pl.O in src or pl.O in dst):
+        return None  # an expert weight on its owner feeds its stack as it lives (runtime.stack_owned)
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or not needs_grad:
         return forward
@@ -64,6 +66,21 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
                                tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)
                                      for a, b in zip(src, dst)), nbytes, mesh, mesh.links)
     return total
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def reshard_forward_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec,
+                      state: pl.Spec | None = None) -> float | None:
+    """The part of :func:`reshard_s` a parameter edge pays outside backward: the gather for
+    use (prefetched before the layer runs) and, for a ZeRO-2 parameter, the all-gather of the
+    updated master after the optimizer step (ahead of the next forward)."""
+    if src != dst and (pl.O in src or pl.O in dst):
+        return None  # as in reshard_s
+    forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
+    if forward is None or state is None:
+        return forward
+    update = _sequential_s(state, src, nbytes, mesh, mesh.links)
+    return None if update is None else forward + update
 
 
 def _sequential_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec, links) -> float | None:

@@ -10,17 +10,34 @@ Variables (x first, in node order, then y in edge order)
                             allowed pairs, and only on edges with two or more classes on both
                             sides; classes group strategies that give the same placement on that
                             edge, so y is small)
+    z[g,φ] ≥ 0              seconds: η·max(C_gφ, O_gφ) of overlap group g (a layer) in phase φ
+                            (forward, backward), only where overlappable (parameter) communication
+                            falls and η > 0
 Objective (seconds of one training step)
     min Σ_i n_i Σ_s c[i,s]·x[i,s] + Σ_e n_e Σ_{u,v} R[e,u,v]·y[e,u,v]
         + Σ_{folded e} n_e Σ_v R[e,u₀,v]·Σ_{t ∈ v} x[dst(e),t]   (mirrored for a single consumer class)
+        + Σ_{g,φ} (z[g,φ] − η·C_gφ − η·O_gφ)
     (n_i, n_e: how many identical graph nodes / edges of repeated layers the term stands for;
     the memory row is weighted the same way)
+    C_gφ = Σ_{i ∈ g} n_i Σ_s c_φ[i,s]·x[i,s]   the group's compute in phase φ: forward is the op's
+             forward time, backward the rest of c[i,s] less comm[i,s] (a node's own exchange —
+             an expert dispatch, a sparse exchange — is critical-path communication)
+    O_gφ = Σ_{e ∈ g} n_e (e's R terms as above, their phase-φ part)   overlappable communication:
+             a parameter's gathers (prefetched) in forward; its gradient reduction and the
+             re-gather of a freed weight in backward
+    At the optimum z[g,φ] = η·max(C_gφ, O_gφ), so group g costs Σ_φ C_gφ + O_gφ − η·min(C_gφ, O_gφ):
+    a compute stream and a communication stream per phase, overlappable collectives hidden
+    behind the layer's compute of the same phase for the fraction η the device reaches (issue
+    20; FSDP2 prefetches the next layer's gather and reduce-scatters during backward). The
+    epigraph keeps the model linear and its optimum exact.
 Constraint families (one method each; a row's name says its family and node or edge)
     one_strategy[i]:      Σ_s x[i,s] = 1                                ∀ i
     edge_rows[e,u]:       Σ_v y[e,u,v] = Σ_{s ∈ u} x[src(e),s]          ∀ paired e, u
     edge_cols[e,v]:       Σ_u y[e,u,v] = Σ_{t ∈ v} x[dst(e),t]          ∀ paired e, v
     edge_forbidden[e,t]:  x[dst(e),t] = 0    folded e, R[e,u₀,class(t)] not allowed (mirrored)
     memory:               Σ_i n_i Σ_s m[i,s]·x[i,s] ≤ M                 (bytes per device)
+    overlap_compute[g,φ]: z[g,φ] − η·C_gφ ≥ 0                           ∀ g, φ
+    overlap_comm[g,φ]:    z[g,φ] − η·O_gφ ≥ 0                           ∀ g, φ
     fixed[i]:             x[i,s] = 1         problem.fixed (baselines pin parameters, inputs)
     excluded[i,s]:        x[i,s] = 0         problem.excluded
 
@@ -40,7 +57,7 @@ class).
 >>> f.num_variables, f.objective_vars, f.objective_coeffs
 (4, [0, 1, 2, 3], [1.0, 2.0, 1.0, 1.0])
 >>> list(f.edge_consistency())
-[Row(name='edge_forbidden[0,1]', vars=[1], coeffs=[1], lo=0, hi=0, exactly_one=False, unit=1.0)]
+[Row(name='edge_forbidden[0,1]', vars=[1], coeffs=[1], lo=0, hi=0, exactly_one=False, unit=1.0, seconds=False)]
 """
 
 from __future__ import annotations
@@ -63,6 +80,9 @@ class Row:
     hi: float
     exactly_one: bool = False  # a sum of 0/1 variables equal to 1 (CP-SAT has a constraint for that)
     unit: float = 1.0  # size of the row's unit (bytes: 2**30), for a floating-point backend to state it in
+    # coefficients in seconds (an integer backend scales them as it scales the objective; a z
+    # variable's coefficient is 1 and z itself is in the objective's units)
+    seconds: bool = False
 
 
 class Formulation:
@@ -83,24 +103,61 @@ class Formulation:
             self.x.append(list(range(self.num_x, self.num_x + len(costs))))
             self.num_x += len(costs)
         self.num_y = 0
+        self.num_z = 0  # overlap z, counted once the edges' y are
         self._first_y: dict[int, int] = {}  # paired edge k -> its first y (its y are consecutive)
         # Σ objective_coeffs[k]·x[objective_vars[k]], in seconds; a variable may recur
         self.objective_vars: list[int] = []
         self.objective_coeffs: list[float] = []
         for i, costs in enumerate(problem.node_costs):
             self._cost(self.x[i], [problem.count(i) * c for c in costs])
+        eta = problem.overlap_efficiency
+        comm: dict[tuple[int, str], tuple[list[int], list[float]]] = {}  # (group, phase) -> edge terms
         for k, e in enumerate(problem.edges):
             src_members, dst_members = e.members()
             if _folded(src_members, dst_members):
-                self._cost(*self._folded_costs(e, src_members, dst_members))
+                variables, costs = self._folded_costs(e, src_members, dst_members, e.cost)
+                forward = self._folded_costs(e, src_members, dst_members, e.forward_cost)[1] if e.forward_cost else None
+            else:
+                self._first_y[k] = self.num_variables
+                pairs = self._pairs(k, e, src_members, dst_members)
+                self.num_y += len(pairs)
+                variables, costs = [y for _, _, y, _ in pairs], [e.count * cost for *_, cost in pairs]
+                forward = [e.count * e.forward_cost[u][v] for u, v, _, _ in pairs] if e.forward_cost else None
+            self._cost(variables, costs)
+            if eta and e.group >= 0:
+                for var, c, f in zip(variables, costs, forward or [0.0] * len(costs)):
+                    if c is not None:
+                        _term(comm, (e.group, "forward"), var, f)
+                        _term(comm, (e.group, "backward"), var, c - f)
+        # overlap: (group, phase, z, compute terms, communication terms), each term n·seconds
+        self.overlap_groups: list[tuple[int, str, int, tuple[list[int], list[float]],
+                                        tuple[list[int], list[float]]]] = []
+        compute: dict[tuple[int, str], tuple[list[int], list[float]]] = {}
+        for i, costs in enumerate(problem.node_costs):
+            g = -1 if problem.node_group is None else problem.node_group[i]
+            if (g, "forward") not in comm and (g, "backward") not in comm:
                 continue
-            self._first_y[k] = self.num_variables
-            pairs = self._pairs(k, e, src_members, dst_members)
-            self.num_y += len(pairs)
-            self._cost([y for _, _, y, _ in pairs], [e.count * cost for *_, cost in pairs])
+            own = problem.node_comm[i] if problem.node_comm is not None else [0.0] * len(costs)
+            forward = problem.node_forward[i] if problem.node_forward is not None else [0.0] * len(costs)
+            for var, c, o, f in zip(self.x[i], costs, own, forward):
+                _term(compute, (g, "forward"), var, problem.count(i) * f)
+                _term(compute, (g, "backward"), var, problem.count(i) * (c - o - f))
+        for g, phase in sorted(comm):
+            z = self.num_variables
+            self.num_z += 1
+            sides = (compute.get((g, phase), ([], [])), comm[(g, phase)])
+            self.overlap_groups.append((g, phase, z, *sides))
+            self._cost([z], [1.0])
+            for variables, costs in sides:
+                self._cost(variables, [-eta * c for c in costs])
 
     @property
     def num_variables(self) -> int:
+        return self.num_x + self.num_y + self.num_z
+
+    @property
+    def num_binary(self) -> int:
+        """x and y are 0/1; the z that follow them are continuous (seconds)."""
         return self.num_x + self.num_y
 
     def names(self) -> list[str]:
@@ -109,7 +166,7 @@ class Formulation:
         for k in self._first_y:  # in index order
             e = self.problem.edges[k]
             names += [f"y[{k},{u},{v}]" for u, v, _, _ in self._pairs(k, e, *e.members())]
-        return names
+        return names + [f"z[{g},{phase}]" for g, phase, *_ in self.overlap_groups]
 
     # -- constraint families -------------------------------------------------------------
 
@@ -124,7 +181,8 @@ class Formulation:
             if _folded(src_members, dst_members):
                 node = e.dst if len(src_members) == 1 else e.src  # the side with several classes
                 yield from (Row(f"edge_forbidden[{k},{var - self.x[node][0]}]", [var], [1], 0, 0)
-                            for var, cost in zip(*self._folded_costs(e, src_members, dst_members)) if cost is None)
+                            for var, cost in zip(*self._folded_costs(e, src_members, dst_members, e.cost))
+                            if cost is None)
                 continue
             y_rows: dict[int, list[int]] = {u: [] for u in src_members}
             y_cols: dict[int, list[int]] = {v: [] for v in dst_members}
@@ -147,6 +205,14 @@ class Formulation:
         if variables:
             yield Row("memory", variables, coeffs, float("-inf"), p.memory_limit_bytes, unit=float(1 << 30))
 
+    def overlap(self) -> Iterator[Row]:
+        """overlap_compute[g,phase] and overlap_comm[g,phase]: z ≥ η·C and z ≥ η·O."""
+        eta = self.problem.overlap_efficiency
+        for g, phase, z, *sides in self.overlap_groups:
+            for family, (variables, costs) in zip(("overlap_compute", "overlap_comm"), sides):
+                yield Row(f"{family}[{g},{phase}]", [z, *variables], [1.0, *(-eta * c for c in costs)], 0,
+                          float("inf"), seconds=True)
+
     def fixed(self, fixed: dict[int, int]) -> Iterator[Row]:
         for i, s in fixed.items():
             yield Row(f"fixed[{self.problem.node_names[i]}]", [self.x[i][s]], [1], 1, 1)
@@ -157,21 +223,21 @@ class Formulation:
 
     def rows(self, fixed: dict[int, int], excluded: frozenset[tuple[int, int]]) -> Iterator[Row]:
         """Every family, in order."""
-        return chain(self.one_strategy(), self.edge_consistency(), self.memory(), self.fixed(fixed),
+        return chain(self.one_strategy(), self.edge_consistency(), self.memory(), self.overlap(), self.fixed(fixed),
                      self.excluded(excluded))
 
     # -- edges ---------------------------------------------------------------------------
 
-    def _folded_costs(self, e: Edge, src_members, dst_members) -> tuple[list[int], list[float | None]]:
-        """A folded edge's cost on the x of its other side: the variables, and n_e·R for each
-        (None: not allowed)."""
+    def _folded_costs(self, e: Edge, src_members, dst_members, matrix) -> tuple[list[int], list[float | None]]:
+        """A folded edge's cost (``matrix``: e.cost, or the part of it paid in forward) on the x
+        of its other side: the variables, and n_e·R for each (None: not allowed)."""
         if len(src_members) == 1:
             (u,) = src_members
-            node, costs = e.dst, [e.cost[u][v] for v, ts in dst_members.items() for _ in ts]
+            node, costs = e.dst, [matrix[u][v] for v, ts in dst_members.items() for _ in ts]
             order = [t for ts in dst_members.values() for t in ts]
         else:
             (v,) = dst_members
-            node, costs = e.src, [e.cost[u][v] for u, ss in src_members.items() for _ in ss]
+            node, costs = e.src, [matrix[u][v] for u, ss in src_members.items() for _ in ss]
             order = [s for ss in src_members.values() for s in ss]
         return [self.x[node][s] for s in order], [None if c is None else e.count * c for c in costs]
 
@@ -186,6 +252,14 @@ class Formulation:
             if c:
                 self.objective_vars.append(var)
                 self.objective_coeffs.append(c)
+
+
+def _term(terms: dict, key, var: int, coeff: float) -> None:
+    """Add ``coeff·var`` to ``terms[key]`` (zero terms left out)."""
+    if coeff:
+        variables, coeffs = terms.setdefault(key, ([], []))
+        variables.append(var)
+        coeffs.append(coeff)
 
 
 def _folded(src_members: dict, dst_members: dict) -> bool:

@@ -1,6 +1,7 @@
 r"""The sharding ILP (solvers/formulation.py, where its math is written) on OR-Tools CP-SAT.
 
-Every variable is a 0/1 ``BoolVar``; one_strategy rows become ``add_exactly_one``, the other
+Every x and y is a 0/1 ``BoolVar``, every overlap z an integer in the objective's units (its
+rows' coefficients in seconds are scaled like the objective); one_strategy rows become ``add_exactly_one``, the other
 rows linear constraints named after their family; the objective is scaled to integers (the
 largest single term becomes 1e8 units). CP-SAT runs with one worker and
 ``linearization_level=2`` (deterministic, and it proves optimality fast without a second
@@ -136,18 +137,30 @@ def _structure(problem: ShardingProblem) -> tuple:
 def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: frozenset[tuple[int, int]]):
     """The formulation as a CP-SAT model: (model, x[i][s] as BoolVars, objective scale)."""
     model = cp_model.CpModel()
-    variables = [model.new_bool_var(name) for name in formulation.names()]
+    binary = formulation.num_binary
+    costs = formulation.objective_coeffs
+    largest = max((abs(c) for v, c in zip(formulation.objective_vars, costs) if v < binary), default=0.0)
+    scale = _SCALE_TARGET / largest if largest > 0 else 1.0
+    # a z is an integer in the objective's units (1/scale s); its bound: every term at once
+    z_bound = sum(round(abs(c) * scale) for c in costs) + 1
+    names = formulation.names()
+    variables = [model.new_bool_var(name) if v < binary else model.new_int_var(0, z_bound, name)
+                 for v, name in enumerate(names)]
     x = [[variables[v] for v in row] for row in formulation.x]
+
+    def integral(v: int, c: float) -> int:  # seconds → units; z are in units already
+        return round(c * scale) if v < binary else round(c)
+
     for row in formulation.rows(fixed, excluded):
         terms = [variables[v] for v in row.vars]
         if row.exactly_one:
             constraint = model.add_exactly_one(terms)
         else:
+            coeffs = [integral(v, c) for v, c in zip(row.vars, row.coeffs)] if row.seconds else row.coeffs
             lo = cp_model.INT_MIN if row.lo == -math.inf else row.lo
-            constraint = model.add_linear_constraint(cp_model.LinearExpr.weighted_sum(terms, row.coeffs), lo, row.hi)
+            hi = cp_model.INT_MAX if row.hi == math.inf else row.hi
+            constraint = model.add_linear_constraint(cp_model.LinearExpr.weighted_sum(terms, coeffs), lo, hi)
         constraint.with_name(row.name)
-    costs = formulation.objective_coeffs
-    scale = _SCALE_TARGET / max(costs) if costs and max(costs) > 0 else 1.0
     model.minimize(cp_model.LinearExpr.weighted_sum([variables[v] for v in formulation.objective_vars],
-                                                    [round(c * scale) for c in costs]))
+                                                    [integral(v, c) for v, c in zip(formulation.objective_vars, costs)]))
     return model, x, scale

@@ -41,12 +41,16 @@ class LpRelaxation:
     def __init__(self, formulation: Formulation) -> None:
         self.formulation = formulation
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
-        variables = [self.solver.NumVar(0.0, 1.0, "") for _ in range(formulation.num_variables)]
+        variables = [self.solver.NumVar(0.0, 1.0 if v < formulation.num_binary else self.solver.infinity(), "")
+                     for v in range(formulation.num_variables)]  # z (overlap, seconds) are unbounded
         self.x = [[variables[v] for v in row] for row in formulation.x]
         self._x_flat = variables[:formulation.num_x]  # x come first
+        self._binary = variables[:formulation.num_binary]
         for row in chain(formulation.one_strategy(), formulation.edge_consistency()):
             self._row(row, variables)
         self.memory_terms = [term for row in formulation.memory() for term in self._row(row, variables)]
+        for row in formulation.overlap():
+            self._row(row, variables)
         coefficients = [0.0] * formulation.num_variables
         for v, c in zip(formulation.objective_vars, formulation.objective_coeffs):
             coefficients[v] += c  # a folded edge's cost adds to its x's
@@ -127,7 +131,7 @@ class LpRelaxation:
         may be dropped too, which only narrows the tie-break)."""
         largest = max((abs(c) for _, c in self.time_terms), default=0.0)
         tolerance = 1e-9 * largest
-        return [var for var in self.solver.variables()
+        return [var for var in self._binary
                 if var.reduced_cost() > tolerance and var.solution_value() < _INTEGRAL]
 
     def _run(self, time_limit_s: float, dual: bool) -> tuple[int, list[list[float]] | None]:

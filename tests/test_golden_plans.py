@@ -44,17 +44,19 @@ def test_memory_below_replicated_footprint_shards_parameters():
     sharded = [fqn for fqn, p in tight.parameters.items() if p.placement != "R"]
     assert "layers.1.weight" in sharded  # the largest weight is the first to go
     assert tight.memory.total_bytes <= tight.cluster["memory_limit_bytes"]
-    assert tight.predicted_step_s >= ample.predicted_step_s  # memory is never free
+    assert tight.predicted_step_s >= ample.predicted_step_s * (1 - 1e-12)  # memory is never free
 
 
 @pytest.mark.parametrize("mesh, dim", [((4,), 0), ((2, 2), 0)])
 def test_transformer_block_gets_megatron_column_row_pattern(mesh, dim):
     """Large hidden size, few tokens: gradient all-reduce of replicated weights would dominate,
     so the planner shards the weights Megatron-style: qkv and fc column-parallel (output
-    features, dim 0 of the (out, in) weight), proj and out row-parallel (input features)."""
+    features, dim 0 of the (out, in) weight), proj and out row-parallel (input features).
+    Without overlap: with it, qkv's gradient all-reduce hides behind the block's compute and a
+    replicated qkv comes out 0.2% ahead of the pure Megatron pattern — too close to pin."""
     with torch.device("meta"):
         model, x = Block(4096, 32), torch.randn(2, 64, 4096)
-    plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=mesh)
+    plan = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=mesh, overlap=False)
 
     def on_dim(fqn):
         return plan.parameters[fqn].spec[dim]

@@ -62,10 +62,11 @@ def test_the_search_recomputes_only_when_memory_requires_it():
 def test_a_lower_limit_recomputes_first_where_that_beats_sharding_more():
     """Activations outweigh weights. With ample memory nothing is recomputed; at 80% of that
     plan's memory, keeping every activation forces more resharding than rerunning each layer's
-    cheap ops costs, and the search takes selective recomputation."""
+    cheap ops costs, and the search takes selective recomputation. Without overlap: with it,
+    sharding weights is nearly free in time here (their gathers hide behind compute)."""
     torch.manual_seed(0)
     model, x = GPT(vocab=64, d=256, heads=4, layers=4), torch.randint(0, 64, (32, 128))
-    options = {"cluster": "4xH100", "mesh_shape": (4,)}
+    options = {"cluster": "4xH100", "mesh_shape": (4,), "overlap": False}
     ample = autopar.plan(model, (x,), **options)
     assert ample.recompute == {}
     limit = int(0.8 * ample.memory.total_bytes)

@@ -40,7 +40,17 @@ def random_problem(rng: random.Random) -> ShardingProblem:
             edges.append(Edge(i, j, src_class, dst_class, cost, count=rng.randint(1, 4) if folded else 1))
     counts = [rng.randint(1, 3) for _ in range(n)] if folded else None
     limit = rng.randint(50, 100 * n * (2 if folded else 1))
-    return ShardingProblem([f"n{i}" for i in range(n)], costs, memory, edges, limit, node_count=counts)
+    problem = ShardingProblem([f"n{i}" for i in range(n)], costs, memory, edges, limit, node_count=counts)
+    if rng.random() < 0.4:  # overlap: nodes in 1–3 groups, some edges hidden behind their group's compute
+        groups = [rng.randint(-1, 2) for _ in range(n)]
+        own = [[round(rng.uniform(0, c), 3) if rng.random() < 0.3 else 0.0 for c in row] for row in costs]
+        forward = [[round(rng.uniform(0, c - o), 3) for c, o in zip(row, mine)] for row, mine in zip(costs, own)]
+        edges = [dataclasses.replace(e, group=groups[e.dst], forward_cost=[
+            [None if c is None else round(rng.uniform(0, c), 3) for c in row] for row in e.cost]
+            if rng.random() < 0.7 else None) if rng.random() < 0.6 else e for e in edges]
+        problem = dataclasses.replace(problem, edges=edges, node_group=groups, node_comm=own, node_forward=forward,
+                                      overlap_efficiency=rng.choice([1.0, 0.5, round(rng.uniform(0, 1), 3)]))
+    return problem
 
 
 def brute_force(problem: ShardingProblem) -> float:

@@ -72,7 +72,9 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     annotate_strategies(captured, mesh.shape)
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None),
-                                   loss_on_outputs=True)
+                                   loss_on_outputs=True,
+                                   overlap_efficiency=cluster.device.overlap_efficiency
+                                   if plan.options.get("overlap", True) else 0.0)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

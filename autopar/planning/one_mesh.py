@@ -153,7 +153,8 @@ class MeshSearch:
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
                              recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None,
-                             loss_on_outputs=self.loss_on_outputs)
+                             loss_on_outputs=self.loss_on_outputs,
+                             overlap_efficiency=self.options.overlap_efficiency(self.cluster.device))
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:
@@ -381,14 +382,18 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     sparse = sparse_tables(captured, nodes, parameters, mesh)
     experts = expert_layers(captured, parameters, nodes, mesh)
     sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
-    compute_total = problem.compute(solution.choice)
+    communication = problem.own_comm(solution.choice)
+    compute_total = problem.compute(solution.choice) - communication
+    communication += sum(e.count * e.pair_cost(solution.choice[e.src], solution.choice[e.dst]) for e in problem.edges)
+    step_s = step_s if step_s is not None else solution.objective_s
     return Plan(
         fingerprint=captured.fingerprint,
         cluster=cluster.plan_header(),
         mesh_shape=mesh.shape, mesh_dim_names=mesh.dim_names, inputs=tuple(captured.inputs),
         nodes=nodes, parameters=parameters, buffers=buffers,
-        predicted_step_s=step_s if step_s is not None else solution.objective_s, predicted_compute_s=compute_total,
-        predicted_comm_s=(step_s if step_s is not None else solution.objective_s) - compute_total,
+        predicted_step_s=step_s, predicted_compute_s=compute_total,
+        predicted_comm_s=communication + step_s - solution.objective_s,  # the table-wise owners' spread too
+        predicted_exposed_comm_s=step_s - compute_total,
         memory=MemoryBreakdown(memory["param"], memory["grad"], memory["states"], memory["act"]),
         solver={"name": options.solver, "status": solution.status, "method": solution.method,
                 "objective_s": solution.objective_s,

@@ -48,6 +48,12 @@ class PlanOptions:
     # "none"; "selective" (every layer's cheap ops recomputed, matmuls and attention kept);
     # "full" (every layer recomputed whole); "auto": the first of none, selective, full that fits
     recompute: str = "auto"
+    # communication overlapped with compute where the device can (DeviceSpec.overlap_efficiency):
+    # parameters' gathers and gradient reductions hide behind each layer's compute (issue 20)
+    overlap: bool = True
+    # the lowered program's gradient buckets (DistributedDataParallel's bucket_cap_mb, in MiB):
+    # each is all-reduced asynchronously as soon as it is full
+    bucket_cap_mb: float = 25.0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -65,6 +71,9 @@ class PlanOptions:
         if self.recompute not in RECOMPUTE:
             raise AutoparError(ErrorKind.BAD_INPUT, f"unknown recompute {self.recompute!r}; choose one of "
                                f"{', '.join(RECOMPUTE)}")
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and 0 < self.bucket_cap_mb < float("inf")):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"bucket_cap_mb must be a positive number of MiB, got "
+                               f"{self.bucket_cap_mb!r}")
         if self.pipeline and self.replicas:
             raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
 
@@ -86,4 +95,12 @@ class PlanOptions:
         recorded: dict[str, Any] = {"optimizer": self.optimizer}
         if self.mixed_precision is not None:
             recorded["mixed_precision"] = self.mixed_precision.to_plan()
+        if not self.overlap:
+            recorded["overlap"] = False
+        if self.bucket_cap_mb != PlanOptions.bucket_cap_mb:
+            recorded["bucket_cap_mb"] = self.bucket_cap_mb
         return recorded
+
+    def overlap_efficiency(self, device) -> float:
+        """η the problems of ``device`` are built with: its own, or 0 with overlap off."""
+        return device.overlap_efficiency if self.overlap else 0.0

@@ -1,0 +1,150 @@
+"""Communication overlapped with computation in the cost model (issue 20): a layer's
+parameter collectives hide behind its compute, everything else stays on the critical path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.cluster_file import parse_cluster
+from autopar.errors import AutoparError
+from autopar.problem import Edge, ShardingProblem
+from autopar.solvers import get_solver
+
+
+class ResidualMLP(nn.Module):
+    """``layers`` residual two-matmul blocks of width ``d``: every weight sits in a layer."""
+
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d)) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, d)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def _group_problem(efficiency: float, comm_s: float) -> ShardingProblem:
+    """A parameter feeding one op of group 0 (compute 10 s, 1 s of it the op's own exchange),
+    its edge ``comm_s`` of overlappable communication."""
+    edge = Edge(0, 1, [0], [0], [[comm_s]], group=0)
+    return ShardingProblem(["w", "op"], [[0.0], [10.0]], [[0], [0]], [edge], 1, node_group=[-1, 0],
+                           node_comm=[[0.0], [1.0]], overlap_efficiency=efficiency)
+
+
+@pytest.mark.parametrize("efficiency, comm_s, step_s", [
+    (0.0, 4.0, 14.0),  # no overlap: the sum
+    (1.0, 4.0, 10.0),  # all of it hidden behind the 9 s of compute
+    (0.5, 4.0, 12.0),  # half of it
+    (1.0, 12.0, 13.0),  # more communication than compute: max(9, 12) + the 1 s exchange
+])
+def test_a_group_costs_its_compute_and_communication_overlapped(efficiency, comm_s, step_s):
+    problem = _group_problem(efficiency, comm_s)
+    assert problem.evaluate([0, 0]) == pytest.approx(step_s)
+    solution = get_solver("cpsat").solve(problem)
+    assert solution.objective_s == pytest.approx(step_s)
+    assert solution.bound_s == pytest.approx(step_s, rel=1e-6)
+
+
+def _plan(batch: int, overlap: bool, **kwargs):
+    with torch.device("meta"):
+        model, x = ResidualMLP(4096, 4), torch.randn(batch, 4096)
+    return autopar.plan(model, (x,), cluster=kwargs.pop("cluster", "4xH100"), mesh_shape=(4,), overlap=overlap,
+                        **kwargs)
+
+
+def _weights(plan) -> dict[str, str]:
+    return {fqn: p.placement for fqn, p in plan.parameters.items() if fqn.endswith("weight")}
+
+
+def test_compute_bound_layers_flip_to_data_parallel():
+    """1024 rows of width 4096 per step on 4 H100s: each layer's backward outlasts its
+    weights' gradient all-reduce. Summed, tensor parallelism's small activation all-reduces
+    win (the Megatron pattern); with overlap the gradient reductions hide behind compute, DDP
+    costs its compute plus the 10% of the hidden all-reduce an H100 is assumed to lose to
+    contention (overlap_efficiency 0.9), and the plan flips to DDP."""
+    summed, overlapped = _plan(1024, overlap=False), _plan(1024, overlap=True)
+    assert set(_weights(summed).values()) == {"S(0)", "S(1)"}  # column then row parallel
+    assert set(_weights(overlapped).values()) == {"R"}  # data parallel
+    assert overlapped.nodes["x"].outputs == ("S(0)",)
+    ddp = overlapped.baselines["ddp"]["predicted_step_s"]
+    assert overlapped.predicted_step_s == pytest.approx(ddp, rel=1e-9)
+    compute, comm = overlapped.predicted_compute_s, overlapped.predicted_comm_s
+    assert ddp == pytest.approx(compute + 0.1 * comm, rel=1e-6)
+    assert overlapped.predicted_exposed_comm_s == pytest.approx(0.1 * comm, rel=1e-6)
+    assert overlapped.predicted_step_s < summed.predicted_step_s < summed.baselines["ddp"]["predicted_step_s"]
+
+
+def test_communication_bound_layers_keep_tensor_parallelism():
+    """64 rows: a layer's compute is far below its weights' gradient all-reduce (DDP's best
+    here even replicates the work rather than reduce gradients), so there is little to hide:
+    the plan stays column/row tensor parallel, at the same step time, with or without overlap."""
+    summed, overlapped = _plan(64, overlap=False), _plan(64, overlap=True)
+    assert _weights(overlapped) == _weights(summed)
+    assert set(_weights(overlapped).values()) == {"S(0)", "S(1)"}
+    assert overlapped.predicted_step_s == pytest.approx(summed.predicted_step_s, rel=1e-9)
+    assert overlapped.predicted_step_s < min(v["predicted_step_s"] for k, v in overlapped.baselines.items()
+                                             if v["feasible"] and k != "megatron_tp")
+
+
+def test_the_cpu_catalog_device_promises_no_overlap():
+    """gloo shares the host's cores: an uncalibrated ``cpu`` plans as if nothing overlapped."""
+    on, off = _plan(256, True, cluster="4xcpu", memory_limit=2**34), _plan(256, False, cluster="4xcpu",
+                                                                           memory_limit=2**34)
+    assert on.predicted_step_s == pytest.approx(off.predicted_step_s)
+    assert on.predicted_exposed_comm_s == pytest.approx(on.predicted_comm_s)
+
+
+def test_overlap_efficiency_comes_from_the_cluster_file():
+    def device(efficiency):
+        spec = {"peak_TFLOPS": {"fp32": 0.1}, "memory_GB": 16, "memory_bandwidth_GBps": 10}
+        if efficiency is not None:
+            spec["overlap_efficiency"] = efficiency
+        return {"devices": {"host": spec}, "device": "host", "nodes": 1, "per_node": 4}
+
+    assert parse_cluster(device(0.4))["device"].overlap_efficiency == 0.4
+    assert parse_cluster(device(None))["device"].overlap_efficiency == 0.9  # as the catalog's GPUs
+    with pytest.raises(AutoparError, match="overlap_efficiency.*fraction between 0 and 1"):
+        parse_cluster(device(1.5))
+
+
+def _overlap_worker(bucket_cap_mb: float):
+    """One DDP step of a ResidualMLP on this rank under torch.profiler: how many gradient
+    all-reduces ran inside the backward's span, and how far the gradients are from one process's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model, x, target = ResidualMLP(256, 8), torch.randn(256, 256), torch.randn(256, 256)
+    reference = ResidualMLP(256, 8)
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.mse_loss(reference(x), target).backward()
+    pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="ddp",
+                                 bucket_cap_mb=bucket_cap_mb)
+    pmodel.step(x, target=target)  # warm-up, then a clean step
+    pmodel.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pmodel.step(x, target=target)
+    backward = [e.time_range for e in prof.events() if e.name.startswith("autograd::engine::evaluate_function")]
+    start, end = min(r.start for r in backward), max(r.end for r in backward)
+    reductions = [e.time_range for e in prof.events() if e.name == "gloo:all_reduce"]
+    inside = sum(start <= r.start and r.end <= end for r in reductions)
+    grads = dict(pmodel.named_parameters())
+    error = max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
+    return inside, error
+
+
+def test_gradient_all_reduces_run_inside_the_backward_pass():
+    """Buckets of 256 KiB (one weight each) are all-reduced asynchronously as they fill: the
+    profiler shows them inside the backward's span, and every gradient is still the one
+    process's. With DDP's 25 MiB the one bucket fills only at the end of backward."""
+    from tests.distributed import run_world
+
+    inside, error = run_world(2, _overlap_worker, 0.25)
+    assert inside >= 3
+    assert error < 1e-5
+    inside, error = run_world(2, _overlap_worker, 25.0)
+    assert inside == 0
+    assert error < 1e-5

@@ -23,7 +23,8 @@ import tempfile
 import warnings
 import zipfile
 
-from autopar.errors import AutoparError, ErrorKind
+from autopar.errors import AutoparError, ErrorKind, first_line
+from autopar.plan import user_mode
 
 DCP_METADATA = ".metadata"  # every DCP checkpoint folder holds it (FileSystemWriter)
 
@@ -61,8 +62,8 @@ def _dcp_to_file(source: str, destination: str, parent: str) -> None:
                 dcp_to_torch_save(source, tmp)
         except Exception as exc:  # DCP's reader raises many types on a damaged folder
             raise AutoparError(ErrorKind.BAD_INPUT, f"cannot read the DCP checkpoint {source}: "
-                               f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") from exc
-        os.chmod(tmp, 0o666 & ~_umask())
+                               f"{type(exc).__name__}: {first_line(exc)}") from exc
+        os.chmod(tmp, user_mode(0o666))
         os.replace(tmp, destination)
     finally:
         if os.path.exists(tmp):
@@ -77,7 +78,7 @@ def _file_to_dcp(source: str, destination: str, parent: str) -> None:
         state = torch.load(source, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError) as exc:
         raise AutoparError(ErrorKind.BAD_INPUT, f"{source} is not a readable torch.save file of tensors "
-                           f"({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})") from exc
+                           f"({type(exc).__name__}: {first_line(exc)})") from exc
     if not isinstance(state, dict):
         raise AutoparError(ErrorKind.BAD_INPUT, f"{source} holds a {type(state).__name__}; a checkpoint is a dict "
                            "(a state_dict, or {'model': ..., 'optimizer': ...})")
@@ -86,15 +87,8 @@ def _file_to_dcp(source: str, destination: str, parent: str) -> None:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(state, checkpoint_id=tmp, no_dist=True)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
+        os.chmod(tmp, user_mode(0o777))  # mkdtemp makes it 0700
         os.replace(tmp, destination)
     finally:
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it, the only portable way)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

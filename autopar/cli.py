@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import os
-import re
 import sys
 
-from autopar.errors import AutoparError, ErrorKind
+from autopar.errors import AutoparError, ErrorKind, first_line
+from autopar.model_files import UsageError, load_model
 
 EXAMPLES = {
     "plan": "autopar plan examples.gpt:build --cluster 2x8xH100 -o plan.json\n"
             "autopar plan model.pt2 --cluster 8xH100 --input tokens=8x1024:int64 --json\n"
             "autopar plan examples.gpt:build --cluster 8xH100 --pipeline off --batch-size 8,16,32",
-    "show": "autopar show plan.json\nautopar show plan.json --json\nautopar show plan.json --html report.html",
+    "show": "autopar show plan.json\nautopar show plan.json --json\nautopar show plan.json --html report.html\n"
+            "autopar show plan.json --trace step.json",
     "devices": "autopar devices --json",
     "explain": "autopar explain plan.json addmm_3\nautopar explain plan.json addmm_3 --json",
     "validate": "autopar validate plan.json examples.gpt:build",
@@ -28,103 +28,6 @@ EXAMPLES = {
     "profile": "autopar profile --out cpu.yaml\nautopar plan examples.gpt:build --cluster cpu.yaml",
     "checkpoint": "autopar checkpoint convert ckpt/step-1000 model.pt\nautopar checkpoint convert model.pt ckpt/start",
 }
-
-_INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
-
-
-class UsageError(Exception):
-    """Bad command-line usage: exit code 2."""
-
-
-def parse_input_spec(spec: str, device="cpu"):
-    """``tokens=4x1024:int64`` -> a zero tensor of that shape and dtype on ``device``."""
-    import torch
-
-    match = _INPUT.match(spec.strip())
-    if match is None or not isinstance(getattr(torch, match.group(3), None), torch.dtype):
-        raise UsageError(f"bad --input {spec!r}: write NAME=DIMxDIM:DTYPE, e.g. tokens=4x1024:int64")
-    shape = tuple(int(d) for d in match.group(2).split("x"))
-    return torch.zeros(shape, dtype=getattr(torch, match.group(3)), device=device)
-
-
-def load_model(target: str, input_specs: list[str], trust_pickle: bool):
-    """MODEL is ``package.module:factory``, a torch.export ``.pt2`` or a torch.save'd ``.pt``."""
-    model, inputs = _load_model(target, trust_pickle)
-    if input_specs:
-        params = model.parameters() if hasattr(model, "parameters") else ()
-        device = next((p.device for p in params), "cpu")
-        inputs = tuple(parse_input_spec(s, device) for s in input_specs)
-    if inputs is None:
-        raise UsageError(f"{target} comes without example inputs: pass them with --input NAME=SHAPE:DTYPE")
-    return model, inputs
-
-
-def _load_model(target: str, trust_pickle: bool):
-    """(model, example inputs or None)."""
-    import torch
-
-    sys.path.insert(0, os.getcwd())  # factories and pickled classes resolve like `python -c` would
-    if target.endswith(".pt2"):
-        if not os.path.exists(target):
-            raise UsageError(f"model file {target!r} does not exist")
-        try:
-            program = torch.export.load(target)
-        except Exception as exc:  # torch raises zipfile's, its stream reader's and pickle's errors here
-            raise UsageError(f"cannot load {target}: it is not a readable torch.export archive "
-                             f"({type(exc).__name__}: {_first_line(exc)}); save one with torch.export.save(...)") from exc
-        return program.module(), tuple(program.example_inputs[0]) if program.example_inputs else None
-    if target.endswith((".pt", ".pth")):
-        if not os.path.exists(target):
-            raise UsageError(f"model file {target!r} does not exist")
-        if not trust_pickle:
-            raise UsageError(f"{target} is a pickle: loading it runs arbitrary code. Pass --trust-pickle if you "
-                             "trust its source, or save the model with torch.export.save(...) as .pt2")
-        try:
-            model = torch.load(target, weights_only=False)
-        except (ImportError, AttributeError) as exc:
-            raise UsageError(f"cannot unpickle {target}: {exc}; run autopar where the model's code is importable") from exc
-        except Exception as exc:  # a truncated or foreign file: zipfile's, pickle's, torch's errors
-            raise UsageError(f"cannot load {target}: it is not a readable torch.save file "
-                             f"({type(exc).__name__}: {_first_line(exc)})") from exc
-        return model, None
-    if ":" not in target:
-        raise UsageError(f"cannot load model {target!r}: give a .pt2/.pt file or package.module:factory")
-    module_name, factory_name = target.split(":", 1)
-    try:
-        factory = getattr(importlib.import_module(module_name), factory_name)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(f"cannot import {target!r}: {exc}") from exc
-    except SyntaxError as exc:
-        raise UsageError(f"cannot import {target!r}: syntax error in {exc.filename}, line {exc.lineno}: "
-                         f"{exc.msg}") from exc
-    except Exception as exc:  # the module's own code failed while importing
-        raise UsageError(f"cannot import {target!r}: importing {module_name} raised {type(exc).__name__}: "
-                         f"{_first_line(exc)}") from exc
-    if not callable(factory):
-        raise UsageError(f"{target!r}: {factory_name} is of type {type(factory).__name__}, not a function that "
-                         "returns a model (or (model, example inputs))")
-    try:
-        made = factory()
-    except AutoparError:
-        raise
-    except Exception as exc:  # the user's factory failed: their error, with its line
-        raise UsageError(f"the factory {target!r} raised {type(exc).__name__}: {_first_line(exc)} "
-                         f"(at {_last_frame(exc)}); rerun with --debug for its traceback") from exc
-    if isinstance(made, tuple) and len(made) == 2:
-        return made[0], tuple(made[1])
-    return made, None
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [""])[0][:300]
-
-
-def _last_frame(exc: BaseException) -> str:
-    import traceback
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
-
 
 def _writable_output(path: str | None) -> None:
     """Refuse an output path that cannot be written before any work is done."""
@@ -263,11 +166,16 @@ def _cmd_show(args) -> int:
     from autopar.report import summary
 
     _writable_output(args.html)
+    _writable_output(args.trace)
     plan = autopar.load_plan(args.plan)
     if args.html:
         from autopar.html_report import write
 
         write(plan, args.html)
+    if args.trace:
+        from autopar.trace import write_trace
+
+        write_trace(plan, args.trace)
     print(json.dumps(summary_json(plan), indent=1) if args.json else summary(plan))
     return 0
 
@@ -430,6 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--json", action="store_true")
     s.add_argument("--html", metavar="REPORT.html", help="also write a self-contained HTML report")
+    s.add_argument("--trace", metavar="STEP.json", help="also write the predicted step as a Chrome / Perfetto "
+                   "trace (open in ui.perfetto.dev or chrome://tracing beside a torch.profiler trace)")
     s.set_defaults(run=_cmd_show)
 
     f = command("diff", "compare two plans: placements that changed and the predicted effect")
@@ -516,8 +426,7 @@ def _internal_error(args, exc: Exception) -> int:
     with ``--debug`` or ``AUTOPAR_DEBUG=1``."""
     if _debugging(args):
         raise exc
-    line = (str(exc).strip().splitlines() or [""])[0][:300]
-    print(f"autopar {args.command}: internal error: {type(exc).__name__}: {line} (rerun with --debug for the "
+    print(f"autopar {args.command}: internal error: {type(exc).__name__}: {first_line(exc)} (rerun with --debug for the "
           "traceback, and please report it)", file=sys.stderr)
     return 1
 

@@ -10,6 +10,8 @@ happened, the numbers involved, and what to do about it.
 from __future__ import annotations
 
 import enum
+import os
+import traceback
 
 
 class ErrorKind(str, enum.Enum):
@@ -39,3 +41,20 @@ class AutoparError(Exception):
 # Short aliases so callers can write ``AutoparError.UNTRACEABLE`` like an enum member.
 for _kind in ErrorKind:
     setattr(AutoparError, _kind.value, _kind)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (at most 300 characters): what a one-line
+    error quotes of someone else's exception."""
+    return (str(exc).strip().splitlines() or [""])[0][:300]
+
+
+def raised_at(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
+    """``file:line: `source``` of the innermost frame of ``exc``'s traceback outside the
+    folders in ``skip`` (libraries: the user's own line), or "unknown location"."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not skip or not os.path.realpath(f.filename).startswith(skip)]
+    if not frames:
+        return "unknown location"
+    code = (frames[-1].line or "").strip()
+    return f"{frames[-1].filename}:{frames[-1].lineno}" + (f": `{code}`" if code else "")

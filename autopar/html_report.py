@@ -20,7 +20,7 @@ from rich.console import Console
 from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
-    exposed_comm_s, experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
+    exposed_comm_s, experts_table, overlap_rows, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
     simulated_step_line,
     throughput_line)
 from autopar.units import format_bytes, format_seconds
@@ -133,6 +133,13 @@ def render(plan: Plan) -> str:
                         ("compute", plan.predicted_compute_s, "#27ae60"),
                         ("exposed communication", exposed_comm_s(plan), "#eb5757"),
                         ("hidden communication (overlapped with compute)", hidden, "#f4a6a6"))) + "</p>")
+    if overlap_rows(plan):
+        header = "".join(f"<th>{c}</th>" for c in ("layer", "copies", "fwd compute", "fwd gathers", "bwd compute",
+                                                    "bwd reductions", "hidden"))
+        body.append(f"<h3>Communication beside compute, per layer (overlap efficiency "
+                    f"{plan.overlap['efficiency']:g}; times per copy)</h3><table><tr>{header}</tr>"
+                    + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                              for row in overlap_rows(plan)) + "</table>")
     if plan.stages:
         body.append(f"<h2>Pipeline schedule</h2><p>{plan.schedule}, {plan.micro_batches} micro-batches, bubble "
                     f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _rich_table(stages_table(plan)))

@@ -258,6 +258,11 @@ class Plan:
     # predicted_compute_s + this on one mesh; None in plans made before overlap was modelled
     # (their communication was all exposed: predicted_comm_s)
     predicted_exposed_comm_s: float | None = None
+    # the overlap model's view of the step (one-mesh plans): {efficiency: η, layers: [{layer
+    # ("" outside every layer), copies (repeated layers folded into it), forward: [compute_s,
+    # overlappable comm_s], backward: [...]}]} — totals over the copies, in the order the graph
+    # runs them; empty in plans made before overlap was modelled
+    overlap: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
 
@@ -340,7 +345,7 @@ class Plan:
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
                 symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}), recompute=d.get("recompute", {}),
                 outputs=tuple(d.get("outputs", ())), recompute_cost=d.get("recompute_cost", {}),
-                predicted_exposed_comm_s=d.get("predicted_exposed_comm_s"),
+                predicted_exposed_comm_s=d.get("predicted_exposed_comm_s"), overlap=d.get("overlap", {}),
                 family=d["family"],
                 families=d["families"], schema_version=version,
             )
@@ -409,6 +414,16 @@ def _from_version_1(d: dict) -> dict:
             "families": {_FAMILIES_V1[k]: v for k, v in baselines.items() if k in _FAMILIES_V1}}
 
 
+def user_mode(mode: int) -> int:
+    """``mode`` (0o666 for a file, 0o777 for a folder) under the process's umask: what any file
+    the user writes gets (0644 under umask 022), for one made by mkstemp/mkdtemp (0600/0700).
+    The umask can only be read by setting it: portable, and the instant it is 0 matters only
+    to files another thread creates at that instant."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a temp file in the same directory, then rename it over ``path``: readers see the
     old file or the new one, never half of one, and an interrupted write leaves nothing behind."""
@@ -417,12 +432,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
-        # mkstemp makes the file 0600; give it the mode any file the user writes gets (0644 under
-        # umask 022). The umask can only be read by setting it: portable, and the instant it is 0
-        # matters only to files another thread creates at that instant.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, user_mode(0o666))  # mkstemp makes the file 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -121,9 +121,10 @@ class ShardingProblem:
         return total - self.hidden_comm(choice)
 
     def group_times(self, choice: list[int]) -> dict[tuple[int, str], tuple[float, float]]:
-        """Per overlap group and phase ("forward", "backward") with overlappable communication:
-        (its compute, that communication), every copy of a repeated node or edge counted."""
-        comm: dict[tuple[int, str], float] = {}
+        """Per overlap group and phase ("forward", "backward"): (its compute, its overlappable
+        communication), every copy of a repeated node or edge counted."""
+        groups = {g for g in self.node_group or () if g >= 0} | {e.group for e in self.edges if e.group >= 0}
+        comm: dict[tuple[int, str], float] = {(g, phase): 0.0 for g in groups for phase in ("forward", "backward")}
         for e in self.edges:
             if e.group >= 0:
                 total = e.count * e.pair_cost(choice[e.src], choice[e.dst])

@@ -51,6 +51,8 @@ def summary(plan: Plan) -> str:
     if plan.replicas:
         console.print(replicas_table(plan))
     console.print(_baselines_table(plan))
+    if overlap_rows(plan):
+        console.print(overlap_table(plan))
     console.print(_layers_table(plan))
     for title, rows in top_nodes(plan).items():
         table = Table(title=f"top {len(rows)} nodes by {title.removeprefix('by_')}")
@@ -243,6 +245,31 @@ def recompute_line(plan: Plan) -> str:
                  f"{format_bytes(plan.memory.activations_bytes)} of activations instead of "
                  f"{format_bytes(cost['activations_kept_bytes'])}")
     return line
+
+
+def overlap_rows(plan: Plan) -> list[list[str]]:
+    """Per layer group with overlappable communication: layer, copies, then forward and
+    backward compute and communication per copy, and what overlap hid over all copies."""
+    eta = plan.overlap.get("efficiency", 0.0)
+    rows = []
+    for entry in plan.overlap.get("layers", ()):
+        (cf, of), (cb, ob) = entry["forward"], entry["backward"]
+        if of or ob:
+            n = entry["copies"]
+            hidden = eta * (min(cf, of) + min(cb, ob))
+            rows.append([entry["layer"] or "(outside layers)", str(n),
+                         *(format_seconds(t / n) for t in (cf, of, cb, ob)), format_seconds(hidden)])
+    return rows
+
+
+def overlap_table(plan: Plan) -> Table:
+    table = Table(title=f"communication beside compute, per layer (overlap efficiency "
+                        f"{plan.overlap.get('efficiency', 0.0):g}; times per copy, hidden over all copies)")
+    for column in ("layer", "copies", "fwd compute", "fwd gathers", "bwd compute", "bwd reductions", "hidden"):
+        table.add_column(column, justify="left" if column == "layer" else "right")
+    for row in overlap_rows(plan):
+        table.add_row(*row)
+    return table
 
 
 def exposed_comm_s(plan: Plan) -> float:

@@ -9,7 +9,8 @@
 
 Prints a table (predicted, measured, ratio), the Spearman rank correlation and the median
 absolute relative error, and for each model whether autopar's plan measured fastest (or
-within 10 % of the fastest). Writes benchmarks/results/cost_model_accuracy.json.
+within 10 % of the fastest); then DDP- and FSDP-like plans measured with overlap off and on
+(:func:`overlap_off_on`) and whether the model predicted the direction of the change. Writes benchmarks/results/cost_model_accuracy.json.
 
     python benchmarks/cost_model_accuracy.py [--cluster cpu.yaml]
 """
@@ -82,6 +83,38 @@ def measure(name: str, plan_json: str, warmup: int = 2, steps: int = 9) -> float
     return statistics.median(times)
 
 
+def overlap_off_on(cluster: str) -> list[dict]:
+    """DDP-like and FSDP-like plans with overlap off (the cost model sums every collective; the
+    program all-reduces the gradients in one bucket after backward) and on (the profile's
+    overlap efficiency; 1 MiB buckets all-reduced asynchronously as they fill): both measured.
+    ``direction``: whether the model predicted the sign of the change (a change under 2 % of
+    the step counts as none, on either side)."""
+    rows = []
+    for name in ("mlp-1024", "gpt-2L-128", "block-256"):
+        model, inputs, _ = build(name)
+        for configuration in ("ddp", "fsdp"):
+            try:
+                off = autopar.plan(model, inputs, cluster=cluster, configuration=configuration, overlap=False,
+                                   bucket_cap_mb=1e6)
+                on = autopar.plan(model, inputs, cluster=cluster, configuration=configuration, bucket_cap_mb=1.0)
+            except autopar.AutoparError as exc:
+                print(f"{name} {configuration}: {exc.kind.value}", flush=True)
+                continue
+            measured = [run_world(2, measure, name, plan.to_json()) for plan in (off, on)]
+
+            def sign(before: float, after: float) -> int:
+                return 0 if abs(after - before) < 0.02 * before else (1 if after > before else -1)
+
+            row = {"model": name, "plan": configuration, "predicted_off_ms": off.predicted_step_s * 1e3,
+                   "predicted_on_ms": on.predicted_step_s * 1e3, "measured_off_ms": measured[0] * 1e3,
+                   "measured_on_ms": measured[1] * 1e3,
+                   "direction": "right" if sign(off.predicted_step_s, on.predicted_step_s) == sign(*measured)
+                   else "wrong"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def spearman(a: list[float], b: list[float]) -> float:
     def ranks(v):
         order = sorted(range(len(v)), key=v.__getitem__)
@@ -130,6 +163,7 @@ def main() -> None:
                        "measured_ms": measured * 1e3, "ratio": measured / plan.predicted_step_s}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        overlap_rows = overlap_off_on(cluster)
     predicted = [r["predicted_ms"] for r in rows]
     measured = [r["measured_ms"] for r in rows]
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
@@ -140,7 +174,7 @@ def main() -> None:
         ours = next((r["measured_ms"] for r in mine if r["plan"] == "autopar"), None)
         verdicts[name] = ours is not None and ours <= 1.10 * fastest
     summary = {"profile": profile, "rows": rows, "spearman": spearman(predicted, measured), "median_abs_rel_error": statistics.median(errors),
-               "autopar_fastest_within_10pct": verdicts}
+               "autopar_fastest_within_10pct": verdicts, "overlap_off_on": overlap_rows}
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "cost_model_accuracy.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -149,6 +183,10 @@ def main() -> None:
         print(f"{r['model']:12} {r['plan']:12} {r['predicted_ms']:13.2f} {r['measured_ms']:12.2f} {r['ratio']:7.2f}")
     print(f"\nSpearman {summary['spearman']:.3f}, median |error| {100 * summary['median_abs_rel_error']:.1f} %, "
           f"autopar's plan fastest or within 10 %: {verdicts}")
+    print(f"\n{'model':12} {'plan':6} {'pred off':>9} {'pred on':>9} {'meas off':>9} {'meas on':>9}  direction")
+    for r in overlap_rows:
+        print(f"{r['model']:12} {r['plan']:6} {r['predicted_off_ms']:9.2f} {r['predicted_on_ms']:9.2f} "
+              f"{r['measured_off_ms']:9.2f} {r['measured_on_ms']:9.2f}  {r['direction']}")
 
 
 if __name__ == "__main__":

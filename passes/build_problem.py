@@ -73,6 +73,8 @@ class ProblemIndex:
     # the forward time it reruns in backward (what recomputing saves and costs)
     kept_without_recompute: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     rerun_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # overlap group id -> the layer it is ("" outside every layer), in the order the graph runs them
+    group_names: list[str] = dataclasses.field(default_factory=list)
 
 
 def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory_limit_bytes: int,
@@ -241,7 +243,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                               node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
                               overlap_efficiency=overlap_efficiency)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
-                                 kept_without_recompute, rerun_s)
+                                 kept_without_recompute, rerun_s, list(group_of))
 
 
 def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[torch.fx.Node],

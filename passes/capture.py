@@ -19,13 +19,12 @@ import hashlib
 import importlib.util
 import logging
 import os
-import traceback
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from autopar.errors import AutoparError, ErrorKind
+from autopar.errors import AutoparError, ErrorKind, first_line, raised_at
 from autopar.plan import TensorSpec
 from autopar.passes.decompose import decompose
 from autopar.passes.embedding_bag import lower_fixed_bags
@@ -290,14 +289,10 @@ def _inputs_refused(model: nn.Module, args: tuple) -> AutoparError | None:
         return None
     except Exception as exc:  # any other error of the forward itself
         given = ", ".join(f"#{i} {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" for i, x in enumerate(args))
-        frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                  if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS)]
-        where = f"{frames[-1].filename}:{frames[-1].lineno}: `{(frames[-1].line or '').strip()}`" if frames else \
-            "unknown location"
         return AutoparError(
             ErrorKind.BAD_INPUT,
             f"{type(model).__name__}'s forward fails on the example inputs ({given}): {type(exc).__name__}: "
-            f"{(str(exc).strip().splitlines() or [''])[0][:300]}\n  at {where}\n"
+            f"{first_line(exc)}\n  at {raised_at(exc, _LIBRARY_DIRS)}\n"
             "  fix: give inputs of the shapes, dtypes and number the model's forward takes (as in one training step)")
     finally:
         fake_log.setLevel(level)
@@ -306,14 +301,10 @@ def _inputs_refused(model: nn.Module, args: tuple) -> AutoparError | None:
 
 def _untraceable(model: nn.Module, exc: Exception) -> AutoparError:
     """Name the user's source line that export failed on, and suggest fixes."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS)]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: `{(frames[-1].line or '').strip()}`" if frames else "unknown location"
-    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
     return AutoparError(
         ErrorKind.UNTRACEABLE,
-        f"cannot trace {type(model).__name__} with torch.export: {type(exc).__name__}: {first_line}\n"
-        f"  at {where}\n"
+        f"cannot trace {type(model).__name__} with torch.export: {type(exc).__name__}: {first_line(exc)}\n"
+        f"  at {raised_at(exc, _LIBRARY_DIRS)}\n"
         "  fixes: 1) replace Python control flow on tensor values (`if x.sum() > 0`) with torch.where or torch.cond; "
         "2) avoid .item()/.tolist()/data-dependent output shapes inside forward; "
         "3) move unsupported Python side effects (printing, I/O, global state) out of forward",

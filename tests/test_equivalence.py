@@ -52,7 +52,8 @@ def _check(cases, results):
 def test_equivalence_two_processes():
     *results, contract = run_world(2, run_cases, WORLD2, True)
     _check(WORLD2, results)
-    assert contract["mismatch"].startswith("WORLD_MISMATCH: plan is for 4 devices (mesh [4]) but the process group has 2 ranks")
+    assert contract["mismatch"].startswith("WORLD_MISMATCH: plan is for 4 devices (mesh [")
+    assert "but the process group has 2 ranks" in contract["mismatch"]
     assert contract["is_parallel_module"]
     assert contract["step_loss"] < 1e-6 and contract["step_grad"] < 1e-6
     assert contract["lm_outputs"] == ("S(0)",), contract  # the logits stay where each rank computed them

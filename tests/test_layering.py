@@ -20,7 +20,7 @@ Bottom to top, each layer and what it may import from the project:
             materialize}, autopar.parallel
   planning  autopar.planning, autopar.planning.*           all but the face
   face      autopar (the package), autopar.{api, cli,      anything
-            report, html_report, profile}
+            model_files, report, html_report, profile, trace}
 
 Where the less obvious modules sit, and why:
   * autopar.parallel (ParallelModule, what lowering returns) is lowering/runtime: it is the
@@ -61,7 +61,8 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "training_forward", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "materialize", "recompute", "reshard", "split_loss", "relower")} | {"autopar.parallel"}
-FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "report", "html_report", "profile")}
+FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "model_files", "report", "html_report",
+                                                "profile", "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {

@@ -113,7 +113,7 @@ def test_overlap_efficiency_comes_from_the_cluster_file():
 
 def _overlap_worker(bucket_cap_mb: float):
     """One DDP step of a ResidualMLP on this rank under torch.profiler: how many gradient
-    all-reduces ran inside the backward's span, and how far the gradients are from one process's."""
+    all-reduces started while the backward still computed, and how far the gradients are from one process's."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
@@ -130,7 +130,7 @@ def _overlap_worker(bucket_cap_mb: float):
     backward = [e.time_range for e in prof.events() if e.name.startswith("autograd::engine::evaluate_function")]
     start, end = min(r.start for r in backward), max(r.end for r in backward)
     reductions = [e.time_range for e in prof.events() if e.name == "gloo:all_reduce"]
-    inside = sum(start <= r.start and r.end <= end for r in reductions)
+    inside = sum(start <= r.start < end for r in reductions)  # running while backward still computes
     grads = dict(pmodel.named_parameters())
     error = max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
     return inside, error
@@ -148,3 +148,51 @@ def test_gradient_all_reduces_run_inside_the_backward_pass():
     inside, error = run_world(2, _overlap_worker, 25.0)
     assert inside == 0
     assert error < 1e-5
+
+
+def test_show_reports_and_traces_the_overlapped_step(tmp_path):
+    """`autopar show` gives per layer the compute and the communication beside it; `--trace`
+    writes the predicted step as a Chrome trace whose two streams add up to the plan's step."""
+    import json
+
+    from autopar.cli import main
+    from autopar.report import summary, overlap_rows
+
+    plan = _plan(1024, overlap=True)
+    assert overlap_rows(plan) == [["layers.0", "4", *overlap_rows(plan)[0][2:]]]
+    text = summary(plan)
+    assert "exposed communication" in text and "hidden behind compute" in text and "bwd reductions" in text
+    path, trace = tmp_path / "plan.json", tmp_path / "step.json"
+    plan.save(path)
+    assert main(["show", str(path), "--trace", str(trace)]) == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    compute = [e for e in events if e["tid"] == 0]
+    comm = [e for e in events if e["tid"] == 1]
+    assert [e["name"] for e in compute[:4]] == [f"layers.{k} forward" for k in range(4)]
+    assert [e["name"] for e in compute[-4:]] == [f"layers.{k} backward" for k in (3, 2, 1, 0)]
+    assert all(e["name"].endswith("gradient reductions, re-gathers") for e in comm)  # DDP: nothing to gather
+    for e in comm:  # each reduction runs beside its layer's backward, started with it
+        assert any(c["ts"] == e["ts"] and c["name"].split()[0] == e["name"].split()[0] for c in compute)
+    end = max(e["ts"] + e["dur"] for e in events)
+    assert end == pytest.approx(plan.predicted_step_s * 1e6, rel=1e-6)
+    assert sum(e["dur"] for e in compute) == pytest.approx(  # slowed by 10% of the hidden reductions
+        1e6 * (plan.predicted_compute_s + plan.predicted_exposed_comm_s), rel=1e-6)
+
+
+def test_a_pipeline_plan_traces_its_schedule():
+    """A pipeline plan's trace is its simulated schedule: one process per stage, a forward and
+    a backward of every micro-batch on each."""
+    import pathlib
+
+    from models import GPT
+
+    from autopar.trace import step_trace
+
+    torch.manual_seed(0)
+    model, x = GPT(vocab=64, d=32, heads=2, layers=2), torch.randint(0, 64, (8, 16))
+    cluster = pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml"
+    plan = autopar.plan(model, (x,), cluster=str(cluster), pipeline=True, micro_batches=4)
+    events = [e for e in step_trace(plan)["traceEvents"] if e["ph"] == "X"]
+    for stage in range(len(plan.stages)):
+        names = sorted(e["name"] for e in events if e["pid"] == stage)
+        assert names == sorted(f"{kind} micro-batch {i}" for kind in ("forward", "backward") for i in range(4))

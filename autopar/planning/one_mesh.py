@@ -410,7 +410,24 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
         recompute_cost={"rerun_s": memory["rerun_s"], "activations_kept_bytes": memory["act_kept"]}
         if options.recompute in ("full", "selective") else {},
         experts=experts, comm_bytes=sent, timings=timings, outputs=outputs,
+        overlap=_overlap_summary(problem, index, solution.choice),
     )
+
+
+def _overlap_summary(problem: ShardingProblem, index: ProblemIndex, choice: list[int]) -> dict:
+    """The plan's ``overlap``: the device's efficiency and, per layer group in the order the
+    graph runs them (repeated layers once, with their copies), each phase's compute and
+    overlappable communication — what ``show``, the HTML report and ``show --trace`` draw."""
+    times = problem.group_times(choice)
+    copies: dict[int, int] = {}
+    for i, g in enumerate(problem.node_group or ()):
+        if g >= 0:
+            copies[g] = max(copies.get(g, 1), problem.count(i))
+    layers = [{"layer": name, "copies": copies.get(g, 1),
+               "forward": list(times.get((g, "forward"), (0.0, 0.0))),
+               "backward": list(times.get((g, "backward"), (0.0, 0.0)))}
+              for g, name in enumerate(index.group_names)]
+    return {"efficiency": problem.overlap_efficiency, "layers": layers}
 
 
 def _bytes_sent(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],

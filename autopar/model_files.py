@@ -1,0 +1,100 @@
+"""What ``autopar plan`` and ``autopar validate`` read a model from: a factory
+``package.module:factory`` (returning a model, or (model, example inputs)), a torch.export
+``.pt2`` archive, or a torch.save'd ``.pt`` (only when trusted: unpickling runs code), with
+example inputs from ``--input NAME=SHAPE:DTYPE``. Every failure is a :class:`UsageError`
+naming the file or factory and what to do, never a traceback from inside torch or the
+user's module (the CLI shows that one with ``--debug``)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+
+from autopar.errors import AutoparError, first_line, raised_at
+
+_INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
+
+
+class UsageError(Exception):
+    """Bad command-line usage: exit code 2."""
+
+
+def parse_input_spec(spec: str, device="cpu"):
+    """``tokens=4x1024:int64`` -> a zero tensor of that shape and dtype on ``device``."""
+    import torch
+
+    match = _INPUT.match(spec.strip())
+    if match is None or not isinstance(getattr(torch, match.group(3), None), torch.dtype):
+        raise UsageError(f"bad --input {spec!r}: write NAME=DIMxDIM:DTYPE, e.g. tokens=4x1024:int64")
+    shape = tuple(int(d) for d in match.group(2).split("x"))
+    return torch.zeros(shape, dtype=getattr(torch, match.group(3)), device=device)
+
+
+def load_model(target: str, input_specs: list[str], trust_pickle: bool):
+    """MODEL is ``package.module:factory``, a torch.export ``.pt2`` or a torch.save'd ``.pt``."""
+    model, inputs = _load_model(target, trust_pickle)
+    if input_specs:
+        params = model.parameters() if hasattr(model, "parameters") else ()
+        device = next((p.device for p in params), "cpu")
+        inputs = tuple(parse_input_spec(s, device) for s in input_specs)
+    if inputs is None:
+        raise UsageError(f"{target} comes without example inputs: pass them with --input NAME=SHAPE:DTYPE")
+    return model, inputs
+
+
+def _load_model(target: str, trust_pickle: bool):
+    """(model, example inputs or None)."""
+    import torch
+
+    sys.path.insert(0, os.getcwd())  # factories and pickled classes resolve like `python -c` would
+    if target.endswith(".pt2"):
+        if not os.path.exists(target):
+            raise UsageError(f"model file {target!r} does not exist")
+        try:
+            program = torch.export.load(target)
+        except Exception as exc:  # torch raises zipfile's, its stream reader's and pickle's errors here
+            raise UsageError(f"cannot load {target}: it is not a readable torch.export archive "
+                             f"({type(exc).__name__}: {first_line(exc)}); save one with torch.export.save(...)") from exc
+        return program.module(), tuple(program.example_inputs[0]) if program.example_inputs else None
+    if target.endswith((".pt", ".pth")):
+        if not os.path.exists(target):
+            raise UsageError(f"model file {target!r} does not exist")
+        if not trust_pickle:
+            raise UsageError(f"{target} is a pickle: loading it runs arbitrary code. Pass --trust-pickle if you "
+                             "trust its source, or save the model with torch.export.save(...) as .pt2")
+        try:
+            model = torch.load(target, weights_only=False)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"cannot unpickle {target}: {exc}; run autopar where the model's code is importable") from exc
+        except Exception as exc:  # a truncated or foreign file: zipfile's, pickle's, torch's errors
+            raise UsageError(f"cannot load {target}: it is not a readable torch.save file "
+                             f"({type(exc).__name__}: {first_line(exc)})") from exc
+        return model, None
+    if ":" not in target:
+        raise UsageError(f"cannot load model {target!r}: give a .pt2/.pt file or package.module:factory")
+    module_name, factory_name = target.split(":", 1)
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"cannot import {target!r}: {exc}") from exc
+    except SyntaxError as exc:
+        raise UsageError(f"cannot import {target!r}: syntax error in {exc.filename}, line {exc.lineno}: "
+                         f"{exc.msg}") from exc
+    except Exception as exc:  # the module's own code failed while importing
+        raise UsageError(f"cannot import {target!r}: importing {module_name} raised {type(exc).__name__}: "
+                         f"{first_line(exc)}") from exc
+    if not callable(factory):
+        raise UsageError(f"{target!r}: {factory_name} is of type {type(factory).__name__}, not a function that "
+                         "returns a model (or (model, example inputs))")
+    try:
+        made = factory()
+    except AutoparError:
+        raise
+    except Exception as exc:  # the user's factory failed: their error, with its line
+        raise UsageError(f"the factory {target!r} raised {type(exc).__name__}: {first_line(exc)} "
+                         f"(at {raised_at(exc)}); rerun with --debug for its traceback") from exc
+    if isinstance(made, tuple) and len(made) == 2:
+        return made[0], tuple(made[1])
+    return made, None

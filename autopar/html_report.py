@@ -11,11 +11,9 @@ up to 300 nodes, the ops coloured by the placement of their output. Tables share
 from __future__ import annotations
 
 import html
-import io
 import re
 from collections import defaultdict
 
-from rich.console import Console
 
 from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
@@ -52,20 +50,32 @@ def _bar(parts: list[tuple[str, float, str]], total: float, width: int = 520) ->
     return f'<svg width="{width}" height="22" role="img">{"".join(rects)}</svg>'
 
 
-def _rich_table(table) -> str:
-    """A rich table (the one ``autopar show`` prints) as inline-styled HTML."""
-    console = Console(record=True, width=160, file=io.StringIO(), color_system="truecolor")
-    console.print(table)
-    return console.export_html(inline_styles=True, code_format="<pre style='font-size:12px'>{code}</pre>")
+def _html_table(table) -> str:
+    """A rich table (the one ``autopar show`` prints) as an HTML table: its title, header and
+    cells as text, so the page's styles, selection and screen readers apply."""
+    head = "".join(f"<th>{html.escape(str(column.header))}</th>" for column in table.columns)
+    rows = zip(*(list(column.cells) for column in table.columns))
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(str(cell))}</td>" for cell in row) + "</tr>" for row in rows)
+    caption = f"<caption>{html.escape(str(table.title))}</caption>" if table.title else ""
+    return f"<table>{caption}<tr>{head}</tr>{cells}</table>"
 
 
 def _memory_rows(plan: Plan) -> list[tuple[str, object]]:
-    """(device label, its memory breakdown) for every device: a stage's or replica's devices
-    hold that group's plan; one mesh's devices hold equal shares."""
+    """(devices label, their memory breakdown), identical devices in one row with their count:
+    a stage's or replica's devices hold that group's plan; one mesh's devices hold equal shares."""
     groups = plan.stages or plan.replicas
     if not groups:
-        return [(str(rank), plan.memory) for rank in range(plan.num_devices)]
-    return [(f"{rank} ({g.group})", g.memory) for g in groups for rank in g.ranks]
+        return [(_ranks_label(range(plan.num_devices)), plan.memory)]
+    return [(f"{_ranks_label(g.ranks)} ({g.group})", g.memory) for g in groups]
+
+
+def _ranks_label(ranks) -> str:
+    ranks = list(ranks)
+    if len(ranks) == 1:
+        return f"device {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"devices {ranks[0]}–{ranks[-1]} (×{len(ranks)})"
+    return f"devices {', '.join(map(str, ranks))} (×{len(ranks)})"
 
 
 def _schedule_svg(plan: Plan, width: int = 760, row: int = 24) -> str:
@@ -103,20 +113,28 @@ def render(plan: Plan) -> str:
             f"{spread['time']:.2f}, memory {spread['memory']:.2f}</p>",
             f"<p>{html.escape(precision_line(plan))}; {html.escape(throughput_line(plan))}; "
             f"{html.escape(recompute_line(plan))}</p>",
-            "<h2>Memory per device</h2><table><tr><th>device</th><th>use</th><th>total</th><th></th></tr>"]
-    for label, m in _memory_rows(plan):
+            "<h2>Memory per device</h2>"]
+    rows = _memory_rows(plan)
+    kept = plan.memory.total_bytes - plan.memory.activations_bytes + plan.recompute_cost["activations_kept_bytes"] \
+        if plan.recompute_cost else 0
+    fullest = max([m.total_bytes for _, m in rows] + [kept])
+    # bars span the limit, unless every device uses under a quarter of it: then the fullest
+    # device, so that a small model still shows its split
+    scale = limit if fullest >= limit / 4 else fullest
+    body.append(f"<p>bars span {'the memory limit' if scale == limit else 'the fullest device'} "
+                f"({format_bytes(scale)})</p><table><tr><th>devices</th><th>use</th><th>total</th><th></th></tr>")
+    for label, m in rows:
         parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
                  ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a")]
         body.append(f"<tr><td>{html.escape(label)}</td><td>{100 * m.total_bytes / limit:.1f}% of "
-                    f"{format_bytes(limit)}</td><td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, limit)}</td></tr>")
+                    f"{format_bytes(limit)}</td><td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, scale)}</td></tr>")
     if plan.recompute_cost:  # the same placements had every activation been kept
         m = plan.memory
-        kept = m.total_bytes - m.activations_bytes + plan.recompute_cost["activations_kept_bytes"]
         parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
                  ("optimizer", m.optimizer_bytes, "#9b51e0"),
                  ("activations", plan.recompute_cost["activations_kept_bytes"], "#f2994a")]
         body.append(f"<tr><td>without recomputation</td><td>{100 * kept / limit:.1f}% of {format_bytes(limit)}"
-                    f"</td><td>{format_bytes(kept)}</td><td>{_bar(parts, max(limit, kept))}</td></tr>")
+                    f"</td><td>{format_bytes(kept)}</td><td>{_bar(parts, max(scale, kept))}</td></tr>")
     body.append("</table><p class='legend'>" + "".join(
         f"<span style='background:{c}'></span>{n}" for n, c in (("params", "#2f80ed"), ("grads", "#56ccf2"),
                                                                ("optimizer", "#9b51e0"), ("activations", "#f2994a")))
@@ -142,9 +160,9 @@ def render(plan: Plan) -> str:
                               for row in overlap_rows(plan)) + "</table>")
     if plan.stages:
         body.append(f"<h2>Pipeline schedule</h2><p>{plan.schedule}, {plan.micro_batches} micro-batches, bubble "
-                    f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _rich_table(stages_table(plan)))
+                    f"{100 * plan.bubble:.1f}%</p>" + _schedule_svg(plan) + _html_table(stages_table(plan)))
     if plan.replicas:
-        body.append("<h2>Data-parallel replicas</h2>" + _rich_table(replicas_table(plan)))
+        body.append("<h2>Data-parallel replicas</h2>" + _html_table(replicas_table(plan)))
     body.append("<h2>Baselines</h2><table><tr><th>plan</th><th>predicted step</th><th>vs autopar</th></tr>"
                 f"<tr><td>autopar ({html.escape(plan.family)})</td><td>{format_seconds(plan.predicted_step_s)}</td>"
                 "<td>1.00</td></tr>")
@@ -158,9 +176,9 @@ def render(plan: Plan) -> str:
     body.append("</table>")
     body.append(_layer_map(plan))
     if plan.sparse:
-        body.append("<h2>Sparse tables</h2>" + _rich_table(sparse_table(plan)))
+        body.append("<h2>Sparse tables</h2>" + _html_table(sparse_table(plan)))
     if plan.experts:
-        body.append("<h2>Mixture-of-experts layers</h2>" + _rich_table(experts_table(plan)))
+        body.append("<h2>Mixture-of-experts layers</h2>" + _html_table(experts_table(plan)))
     if len(plan.nodes) <= 300:
         body.append("<h2>Graph (ops in order, coloured by output placement)</h2><div>" + "".join(
             f"<span class='op' style='background:{_COLORS[_kind(n.outputs[0] if n.outputs else None)]}' "

@@ -40,6 +40,20 @@ def check_plan_types(plan, source: str) -> None:
             _fail(source, "work", "a positive peak and device count", plan.work)
     if plan.recompute_cost:
         _need(plan.recompute_cost, {"rerun_s": _NUMBER, "activations_kept_bytes": _NUMBER}, "recompute_cost", source)
+    if plan.overlap:
+        _need(plan.overlap, {"efficiency": _NUMBER, "layers": list}, "overlap", source)
+        for k, entry in enumerate(plan.overlap["layers"]):
+            where = f"overlap.layers[{k}]"
+            if not isinstance(entry, dict):
+                _fail(source, where, "an object", entry)
+            _need(entry, {"layer": str, "copies": int, "forward": list, "backward": list}, where, source)
+            for phase in ("forward", "backward"):
+                times = entry[phase]
+                if len(times) != 2 or not all(isinstance(t, _NUMBER) and not isinstance(t, bool)
+                                              and math.isfinite(t) and t >= 0 for t in times):
+                    _fail(source, f"{where}.{phase}", "[compute seconds, communication seconds]", times)
+            if entry["copies"] < 1:
+                _fail(source, f"{where}.copies", "a positive count", entry["copies"])
     for name, node in plan.nodes.items():
         for k, alternative in enumerate(node.alternatives):
             if not isinstance(alternative, dict):

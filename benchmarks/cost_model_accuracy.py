@@ -9,7 +9,7 @@
 
 Prints a table (predicted, measured, ratio), the Spearman rank correlation and the median
 absolute relative error, and for each model whether autopar's plan measured fastest (or
-within 10 % of the fastest); then DDP- and FSDP-like plans measured with overlap off and on
+within 10 % of the fastest); then DDP plans measured with overlap off and on
 (:func:`overlap_off_on`) and whether the model predicted the direction of the change. Writes benchmarks/results/cost_model_accuracy.json.
 
     python benchmarks/cost_model_accuracy.py [--cluster cpu.yaml]
@@ -84,15 +84,17 @@ def measure(name: str, plan_json: str, warmup: int = 2, steps: int = 9) -> float
 
 
 def overlap_off_on(cluster: str) -> list[dict]:
-    """DDP-like and FSDP-like plans with overlap off (the cost model sums every collective; the
-    program all-reduces the gradients in one bucket after backward) and on (the profile's
-    overlap efficiency; 1 MiB buckets all-reduced asynchronously as they fill): both measured.
-    ``direction``: whether the model predicted the sign of the change (a change under 2 % of
-    the step counts as none, on either side)."""
+    """DDP plans with overlap off (the cost model sums every collective; the program
+    all-reduces the gradients in one bucket after backward) and on (the profile's overlap
+    efficiency; 1 MiB buckets all-reduced asynchronously as they fill): both measured.
+    ``direction``: whether the model predicted the sign of the change (a change under 5 % of
+    the step — this machine's step-to-step spread on gloo — counts as none, on either side).
+    FSDP-like plans are left out: their lowered program does not overlap yet (the gathers and
+    reduce-scatters run where autograd meets them), so off and on run the same program."""
     rows = []
     for name in ("mlp-1024", "gpt-2L-128", "block-256"):
         model, inputs, _ = build(name)
-        for configuration in ("ddp", "fsdp"):
+        for configuration in ("ddp",):
             try:
                 off = autopar.plan(model, inputs, cluster=cluster, configuration=configuration, overlap=False,
                                    bucket_cap_mb=1e6)
@@ -103,7 +105,7 @@ def overlap_off_on(cluster: str) -> list[dict]:
             measured = [run_world(2, measure, name, plan.to_json()) for plan in (off, on)]
 
             def sign(before: float, after: float) -> int:
-                return 0 if abs(after - before) < 0.02 * before else (1 if after > before else -1)
+                return 0 if abs(after - before) < 0.05 * before else (1 if after > before else -1)
 
             row = {"model": name, "plan": configuration, "predicted_off_ms": off.predicted_step_s * 1e3,
                    "predicted_on_ms": on.predicted_step_s * 1e3, "measured_off_ms": measured[0] * 1e3,

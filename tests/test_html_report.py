@@ -55,9 +55,19 @@ def test_report_draws_the_pipeline_schedule(pipeline_plan):
     stages, micro_batches = len(pipeline_plan.stages), pipeline_plan.micro_batches
     assert stages == 2 and page.count('class="mb"') == 2 * stages * micro_batches  # a forward and a backward each
     assert "imbalance (max/mean over devices)" in page
-    for st in pipeline_plan.stages:  # every device is listed with its own stage's memory
-        for rank in st.ranks:
-            assert f"<td>{rank} ({st.group})</td>" in page
+    for st in pipeline_plan.stages:  # every stage's devices are listed with that stage's memory (one row each)
+        label = f"device {st.ranks[0]}" if len(st.ranks) == 1 else f"devices {st.ranks[0]}–{st.ranks[-1]}"
+        assert f"<td>{label}" in page and f"({st.group})</td>" in page
+
+
+def test_report_collapses_identical_devices_and_scales_small_models(plan):
+    """One row for the mesh's identical devices, with their count; a model using a sliver of
+    an H100 gets bars spanning its own size (the limit would leave them a pixel wide); the
+    sparse and expert tables are HTML tables, not preformatted text."""
+    page = render(plan)
+    assert page.count("<td>devices 0–1 (×2)</td>") == 1
+    assert "bars span the fullest device" in page
+    assert "<pre" not in page
 
 
 def test_report_is_self_contained_with_expected_sections(plan):
@@ -101,3 +111,16 @@ def test_report_in_headless_chromium(plan, pipeline_plan, tmp_path):
     done = subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,1600", f"file://{piped}"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and os.path.getsize(shot) > 10_000, done.stderr[-2000:]
+
+
+def test_sparse_tables_are_html_tables():
+    from models import DLRM, dlrm_inputs
+
+    model = DLRM()
+    plan = autopar.plan(model, dlrm_inputs(model, 16), cluster="2xH100")
+    assert plan.sparse
+    page = render(plan)
+    section = page[page.index("<h2>Sparse tables</h2>"):]
+    assert section.startswith("<h2>Sparse tables</h2><table><caption>")
+    for fqn in plan.sparse:
+        assert f"<td>{fqn}</td>" in section

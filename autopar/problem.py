@@ -112,10 +112,14 @@ class ShardingProblem:
             return 0.0
         return sum(self.count(i) * self.node_comm[i][s] for i, s in enumerate(choice))
 
+    def edge_comm(self, choice: list[int]) -> float:
+        """The resharding every edge pays under ``choice`` (``inf`` where a pair is forbidden)."""
+        return sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+
     def evaluate(self, choice: list[int]) -> float:
         """Objective of a full assignment (``inf`` when an edge pair is forbidden): every cost
         summed, less what overlap hides (:meth:`hidden_comm`)."""
-        total = self.compute(choice) + sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in self.edges)
+        total = self.compute(choice) + self.edge_comm(choice)
         if not self.overlap_efficiency or total == math.inf:
             return total
         return total - self.hidden_comm(choice)

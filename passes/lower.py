@@ -17,9 +17,12 @@ The emitted module is ``ExportedProgram.module()`` with
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
     ``rowwise_embedding`` for lookups in a table sharded by rows;
   * ``to_full`` on every output, so callers get plain full tensors.
-Gradients of parameters are brought to the parameter's placement when the backward pass ends
+A sharded weight's gather is issued asynchronously a layer ahead of its reader (passes.reshard,
+passes.prefetch: FSDP2's prefetch), its gradient reduce-scattered asynchronously in backward.
+Gradients of parameters are brought to the parameter's placement during the backward pass
 (passes.grad_sync: a replicated parameter's partial gradient is all-reduced once per step, in
-one flat buffer with the others, as DistributedDataParallel's buckets do).
+buckets as DistributedDataParallel's, issued as they fill; every collective waited for when
+backward ends).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
 from autopar.passes.grad_sync import DDP_BUCKET_BYTES, GradientSync
+from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
 from autopar.passes.stack_experts import expert_members, owner
@@ -83,6 +87,7 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
+    prefetch_gathers(gm.graph, set(plan.recompute))
     gm.recompile()
     if any(n.op == "call_method" and n.target == "gather" for n in gm.graph.nodes):
         install(gm, gathers)
@@ -325,8 +330,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             if have != want:
                 with graph.inserting_before(node):
                     if arg.name in weights and _gathers(have, want):  # FSDP: gathered again for backward
-                        moved = graph.call_method("gather", (gathers, *_from_master(graph, arg), mesh_node, want,
-                                                             compute_dtype, reduce_dtype))
+                        moved = _gather_weight(graph, arg, have, want, produced, (gathers, mesh_node),
+                                               compute_dtype, reduce_dtype)
                     else:
                         moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
                     moved.meta["val"] = arg.meta.get("val")
@@ -389,24 +394,40 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     graph.lint()
 
 
-def _from_master(graph: torch.fx.Graph, weight: torch.fx.Node) -> tuple[torch.fx.Node]:
-    """What a gather of ``weight`` reads: under mixed precision not the compute copy but the
-    fp32 master (the same views replayed on it), so that the gather casts before it moves the
-    shard and its backward reduces the gradient in ``reduce_dtype`` onto the master (FSDP2's
-    ``MixedPrecisionPolicy``), instead of reducing in the compute dtype."""
+def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want: str, produced: dict,
+                   attrs: tuple[torch.fx.Node, torch.fx.Node], compute_dtype, reduce_dtype) -> torch.fx.Node:
+    """A sharded weight (or a view of it, a transposed matrix) gathered for its reader, as
+    FSDP2 does: the parameter as it is stored is gathered — a plain all-gather along its
+    sharded dims, which can run asynchronously (a transposed shard would need its pieces
+    interleaved, which waits for them) — and the reader's views are replayed on the whole
+    weight; a last reshard (a no-op unless the views move a dim the gather left sharded)
+    gives the reader its planned placement. Under mixed precision the gather reads not the
+    compute copy but the fp32 master, so it casts before it moves the shard and its backward
+    reduces the gradient in ``reduce_dtype`` onto the master (FSDP2's
+    ``MixedPrecisionPolicy``). Inserted before the reader; passes.prefetch moves the gather a
+    layer ahead."""
+    gathers, mesh_node = attrs
     views = []
-    node = weight
-    while node.op == "call_function" and node.target is not runtime.compute_copy and is_view_op(node):
-        views.append(node)
-        node = node.args[0]
-    if node.op != "call_function" or node.target is not runtime.compute_copy:
-        return (weight,)
-    source = node.args[0]
-    for view in reversed(views):  # inserted where the graph is being rewritten: before the consumer
-        replayed = graph.call_function(view.target, (source, *view.args[1:]), dict(view.kwargs))
-        replayed.meta = dict(view.meta)
-        source = replayed
-    return (source,)
+    root = weight
+    while root.op == "call_function" and root.target is not runtime.compute_copy and is_view_op(root):
+        views.append(root)
+        root = root.args[0]
+    stored = produced.get(root.name)
+    if root.op == "call_function" and root.target is runtime.compute_copy:
+        root = root.args[0]
+    if stored is None:  # not a placement lowering knows: gather the weight as read
+        root, views, stored = weight, [], have
+    whole = tuple(pl.R if a.is_shard and b is pl.R else s for a, b, s in
+                  zip(pl.parse_spec(have), pl.parse_spec(want), pl.parse_spec(stored)))
+    value = graph.call_method("gather", (gathers, root, mesh_node, pl.format_spec(whole), compute_dtype,
+                                         reduce_dtype))
+    for view in reversed(views):
+        replayed = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
+        replayed.meta = {k: v for k, v in view.meta.items() if k != "nn_module_stack"}
+        value = replayed
+    if all(p is pl.R for p in whole) and want == pl.format_spec(whole):  # views of a whole weight are whole
+        return value
+    return graph.call_function(runtime.redistribute, (value, mesh_node, want))
 
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,

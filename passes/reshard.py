@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
 from autopar.passes import runtime
@@ -70,9 +71,12 @@ class WeightGathers:
                reduce_dtype: torch.dtype | None = None) -> DTensor:
         """``source`` redistributed to ``spec`` (a gather), remembered so autograd does not keep
         it. Mixed precision: ``source`` is the fp32 master, cast to ``dtype`` before the gather,
-        its gradient reduced in ``reduce_dtype`` (runtime.redistribute)."""
-        out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype)
-        local = out._local_tensor
+        its gradient reduced in ``reduce_dtype`` (runtime.redistribute). The gather is issued
+        asynchronously (FSDP2's): it runs while the ops before its first reader compute
+        (passes.prefetch moves it a layer ahead), and its backward's reduce-scatter runs while
+        backward computes the earlier layers (passes.grad_sync waits for it)."""
+        out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype, async_op=True)
+        local = _buffer(out._local_tensor)
         self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, mesh, spec, dtype)
         return out
 
@@ -98,7 +102,7 @@ class WeightGathers:
     def _recipe(self, saved: torch.Tensor) -> _Regather | None:
         if not isinstance(saved, DTensor):
             return None
-        local = saved._local_tensor
+        local = _buffer(saved._local_tensor)
         found = self._gathered.get(local.untyped_storage().data_ptr())
         # alive: the storage is still the gathered one (a freed one's address may be reused)
         if found is None or found[0]() is None:
@@ -110,6 +114,12 @@ class WeightGathers:
     def forget(self) -> None:
         """Drop the record of this forward's gathers (the recipes already packed keep theirs)."""
         self._gathered.clear()
+
+
+def _buffer(local: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a local piece's memory: an ``AsyncCollectiveTensor`` (a collective
+    still in flight, or a view of one) wraps the buffer the collective writes."""
+    return local.elem if isinstance(local, AsyncCollectiveTensor) else local
 
 
 def install(module: torch.nn.Module, gathers: WeightGathers) -> None:

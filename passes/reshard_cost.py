@@ -41,26 +41,23 @@ def reshard_s(src: pl.Spec, dst: pl.Spec, split: tuple[bool, ...], nbytes: int,
     gather casts the fp32 master before it moves and reduces the gradient in float32 onto it
     (FSDP2's ``reduce_dtype``; passes.lower); other reshards move the compute dtype both ways.
     """
-    if src != dst and (pl.O in src or pl.O in dst):
-        return None  # an expert weight on its owner feeds its stack as it lives (runtime.stack_owned)
-    forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
-    if forward is None or not needs_grad:
-        return forward
+    ahead = reshard_forward_s(src, dst, nbytes, mesh, state if needs_grad else None)
+    if ahead is None or not needs_grad:
+        return ahead
     grad = tuple(b if b.is_shard or b is pl.O or b is pl.D else (pl.P if split and split[d] and b is pl.R else pl.R)
                  for d, b in enumerate(dst))
     if state is not None:
         back = _sequential_s(grad, state, sync_nbytes or nbytes, mesh, mesh.links)
-        update = _sequential_s(state, src, nbytes, mesh, mesh.links)
-        if back is None or update is None:
+        if back is None:
             return None
-        total = forward + back + update
+        total = ahead + back
     else:
         want = tuple(pl.R if a.is_partial else a for a in src)
         bucketed = regather and all(g is w or (g is pl.P and w is pl.R) for g, w in zip(grad, want))
         links = tuple(dataclasses.replace(link, latency_s=0.0) for link in mesh.links) if bucketed else mesh.links
         gathered = regather and any(a.is_shard and b is pl.R for a, b in zip(src, dst))
         grad_nbytes = sync_nbytes if sync_nbytes and (bucketed or gathered) else nbytes
-        total = forward + _sequential_s(grad, want, grad_nbytes, mesh, links)
+        total = ahead + _sequential_s(grad, want, grad_nbytes, mesh, links)
     if regather:
         total += _sequential_s(tuple(a if a.is_shard else pl.R for a in src),
                                tuple(pl.R if a.is_shard and b is pl.R else (a if a.is_shard else pl.R)
@@ -75,7 +72,7 @@ def reshard_forward_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec,
     use (prefetched before the layer runs) and, for a ZeRO-2 parameter, the all-gather of the
     updated master after the optimizer step (ahead of the next forward)."""
     if src != dst and (pl.O in src or pl.O in dst):
-        return None  # as in reshard_s
+        return None  # an expert weight on its owner feeds its stack as it lives (runtime.stack_owned)
     forward = _sequential_s(src, dst, nbytes, mesh, mesh.links)
     if forward is None or state is None:
         return forward

@@ -48,11 +48,14 @@ def compute_copy(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def redistribute(x: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> DTensor:
+                 reduce_dtype: torch.dtype | None = None, async_op: bool = False) -> DTensor:
     """Reshard to the placements the consumer was planned with (a collective, or a local slice).
     Mixed precision's weight gather (FSDP2's): ``dtype`` casts the fp32 master's shard before
     the collective, ``reduce_dtype`` is what the gradient's reduction runs in (torch's
-    ``forward_dtype`` / ``backward_dtype``); the gradient comes back in the master's dtype."""
+    ``forward_dtype`` / ``backward_dtype``); the gradient comes back in the master's dtype.
+    ``async_op``: the collective is issued and not waited for — the result's local tensor is
+    an ``AsyncCollectiveTensor`` that waits where it is first read — and so is its backward's
+    (a weight's gradient reduce-scattered while backward goes on; passes.grad_sync waits)."""
     target = placements(spec)
     if tuple(x.placements) == target:
         return x if dtype is None else compute_copy(x, dtype)
@@ -70,8 +73,8 @@ def redistribute(x: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
         # refuses it ("internal use only"); the autograd function behind it supports it.
         forward = {"op_dtype": dtype or x.dtype, "out_dtype": dtype or x.dtype}
         backward = {"op_dtype": reduce_dtype or dtype or x.dtype, "out_dtype": x.dtype}
-        return Redistribute.apply(x, mesh, target, False, {**forward, "backward_options": backward})
-    return x.redistribute(mesh, target, forward_dtype=dtype, backward_dtype=reduce_dtype)
+        return Redistribute.apply(x, mesh, target, async_op, {**forward, "backward_options": backward})
+    return x.redistribute(mesh, target, async_op=async_op, forward_dtype=dtype, backward_dtype=reduce_dtype)
 
 
 def _contiguous_grad(x: DTensor) -> DTensor:

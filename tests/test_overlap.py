@@ -150,6 +150,51 @@ def test_gradient_all_reduces_run_inside_the_backward_pass():
     assert error < 1e-5
 
 
+def _fsdp_worker():
+    """One FSDP step of a 4-layer ResidualMLP on this rank: the lowered code, which gradients
+    arrived while their reduce-scatter was still in flight, and how far the gradients are from
+    one process's."""
+    from autopar.passes.grad_sync import reducing
+
+    torch.manual_seed(0)
+    model, x, target = ResidualMLP(256, 4), torch.randn(1024, 256), torch.randn(1024, 256)
+    reference = ResidualMLP(256, 4)
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.mse_loss(reference(x), target).backward()
+    pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="fsdp")
+    in_flight = {}
+    for name, param in pmodel.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda p, name=name: in_flight.update({name: reducing(p)}))
+    pmodel.step(x, target=target)
+    grads = dict(pmodel.named_parameters())
+    error = max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
+    settled = not any(reducing(p) for p in grads.values())
+    return pmodel.code, in_flight, error, settled
+
+
+def test_fsdp_gathers_run_a_layer_ahead_and_reductions_during_backward():
+    """FSDP2's overlap in the lowered program: layer k's weights are gathered (async) before
+    layer k − 1 computes — the parameter as stored, its transpose taken on the whole weight —
+    every gradient reaches its parameter while its reduce-scatter is still in flight (backward
+    goes on), all are waited for when backward ends, and each equals one process's."""
+    from tests.distributed import run_world
+
+    code, in_flight, error, settled = run_world(2, _fsdp_worker)
+    lines = code.splitlines()
+
+    def first(text: str) -> int:
+        return next(k for k, line in enumerate(lines) if text in line)
+
+    for k in range(1, 4):
+        first_matmul = first(f"addmm_{2 * (k - 1)} = " if k > 1 else "addmm = ")
+        assert first(f"gather(layers_{k}_0_weight, ") < first_matmul, code
+        assert first(f"gather(layers_{k}_2_weight, ") < first_matmul, code
+    assert ".gather(permute" not in code  # the stored shard is gathered, not its transpose
+    assert len(in_flight) == 16 and all(in_flight.values()), in_flight
+    assert settled
+    assert error < 1e-5
+
+
 def test_show_reports_and_traces_the_overlapped_step(tmp_path):
     """`autopar show` gives per layer the compute and the communication beside it; `--trace`
     writes the predicted step as a Chrome trace whose two streams add up to the plan's step."""

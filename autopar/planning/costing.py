@@ -14,6 +14,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, checked_mesh
 from autopar.placements import format_spec
 from autopar.plan import Plan
+from autopar.planning.options import PlanOptions
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
@@ -43,8 +44,7 @@ def communication_bytes(captured: Captured, plan: Plan, cluster: Cluster) -> flo
     byte counts the planner records in ``plan.comm_bytes``, so each checks the other."""
     mesh = unit_links(checked_mesh(cluster, plan.mesh_shape))
     problem, index, choice = planned_problem(captured, plan, cluster, mesh)
-    total = sum(e.count * e.pair_cost(choice[e.src], choice[e.dst]) for e in problem.edges)
-    return total + strategy_exchange_s(captured, problem, index, choice, mesh)
+    return problem.edge_comm(choice) + strategy_exchange_s(captured, problem, index, choice, mesh)
 
 
 def symbolic_costs(captured: Captured, plan: Plan, cluster: Cluster, model, example_inputs) -> dict:
@@ -73,8 +73,8 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None),
                                    loss_on_outputs=True,
-                                   overlap_efficiency=cluster.device.overlap_efficiency
-                                   if plan.options.get("overlap", True) else 0.0)
+                                   overlap_efficiency=PlanOptions(overlap=plan.options.get("overlap", True))
+                                   .overlap_efficiency(cluster.device))
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

@@ -384,7 +384,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     sent = _bytes_sent(captured, problem, index, solution.choice, mesh)
     communication = problem.own_comm(solution.choice)
     compute_total = problem.compute(solution.choice) - communication
-    communication += sum(e.count * e.pair_cost(solution.choice[e.src], solution.choice[e.dst]) for e in problem.edges)
+    communication += problem.edge_comm(solution.choice)
     step_s = step_s if step_s is not None else solution.objective_s
     return Plan(
         fingerprint=captured.fingerprint,

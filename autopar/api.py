@@ -27,7 +27,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
          configuration: str | None = None, sparsity: dict[str, float] | None = None,
          symbolic: bool = False, mixed_precision=None, recompute: str = "auto", overlap: bool = True,
-         bucket_cap_mb: float = 25.0) -> Plan:
+         bucket_cap_mb: float = 25.0, prefetch_layers: int = 1) -> Plan:
     """Plan ``model`` for ``cluster`` without any process group; returns a :class:`Plan`.
 
     ``memory_limit`` (bytes per device) overrides the device's memory; ``optimizer`` sets how
@@ -58,6 +58,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     profile`` measures a host); ``False`` adds every collective to the step. ``bucket_cap_mb``:
     the lowered program all-reduces replicated parameters' gradients in buckets of this many
     MiB, each as soon as it fills during backward (DistributedDataParallel's default, 25).
+    ``prefetch_layers``: how many layers ahead it gathers a sharded weight (FSDP2's 1; 0:
+    where the weight is read, and those gathers are costed as exposed).
     """
     from autopar.planning import ModelGraphs, PlanOptions, Precision, choose
 
@@ -66,7 +68,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
                           cluster_layers=cluster_layers, pipeline=pipeline, micro_batches=micro_batches,
                           schedule=schedule, replicas=replicas, batch_split=batch_split, configuration=configuration,
                           sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision), recompute=recompute,
-                          overlap=overlap, bucket_cap_mb=bucket_cap_mb)
+                          overlap=overlap, bucket_cap_mb=bucket_cap_mb, prefetch_layers=prefetch_layers)
     return choose(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), target, options)
 
 

@@ -158,7 +158,8 @@ def _plan_for_cli(autopar, args, model, inputs):
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
                         batch_split=args.batch_split,
                         symbolic=bool(args.batch_size), mixed_precision=args.precision,
-                        recompute=args.recompute, overlap=not args.no_overlap)
+                        recompute=args.recompute, overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb,
+                        prefetch_layers=args.prefetch_layers)
 
 
 def _cmd_show(args) -> int:
@@ -314,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true",
                    help="cost every collective on the critical path (by default a layer's weight gathers and "
                         "gradient reductions hide behind its compute, as far as the device overlaps)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="gradient bucket size in MiB, each all-reduced as soon as it fills in backward (DDP's 25)")
+    p.add_argument("--prefetch-layers", type=int, default=1,
+                   help="how many layers ahead a sharded weight is gathered (FSDP2's 1; 0: where it is read)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")

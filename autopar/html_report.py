@@ -18,9 +18,8 @@ from collections import defaultdict
 from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
-    exposed_comm_s, experts_table, overlap_rows, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, schedule_spans,
-    simulated_step_line,
-    throughput_line)
+    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, throughput_line)
+from autopar.timeline import exposed_comm_s, overlap_rows, schedule_spans, simulated_step_line
 from autopar.units import format_bytes, format_seconds
 
 _COLORS = {"replicated": "#9aa5b1", "sharded": "#2f80ed", "partial": "#f2994a", "no tensor": "#dddddd"}

@@ -73,6 +73,8 @@ class NodePlan:
     memory_bytes: int = 0  # per device: this node's outputs kept for backward, as placed
     stage: int = 0  # pipeline stage the node runs in (its placements refer to that stage's mesh)
     exchange: str = ""  # "sparse_allgather": a lookup that exchanges its table's gradient as touched rows
+    layer: str = ""  # the indexed module it runs in (``blocks.3``), "" outside every layer
+    position: int = 0  # its place in the order the graph runs (plan files list nodes by name)
 
     def output_spec(self, index: int = 0) -> pl.Spec | None:
         """Placement of tensor output ``index`` as a value (None for a non-tensor output)."""
@@ -332,7 +334,8 @@ class Plan:
                 inputs=tuple(TensorSpec.from_json(i) for i in d["inputs"]),
                 nodes={k: NodePlan(v["op"], tuple(v["outputs"]), tuple(v["inputs"]), v["compute_s"], v["fallback"],
                                    v["reshard_s"], tuple(v["alternatives"]), v.get("memory_bytes", 0),
-                                   v.get("stage", 0), v.get("exchange", ""))
+                                   v.get("stage", 0), v.get("exchange", ""), v.get("layer", ""),
+                                   v.get("position", 0))
                        for k, v in d["nodes"].items()},
                 parameters={k: ParameterPlan(**v) for k, v in d["parameters"].items()},
                 buffers=d["buffers"], predicted_step_s=d["predicted_step_s"],

@@ -38,6 +38,10 @@ def check_plan_types(plan, source: str) -> None:
         _need(plan.work, {"tokens_per_step": (*_NUMBER, type(None))}, "work", source, optional=True)
         if plan.work["peak_flops_per_s"] <= 0 or plan.work["devices"] < 1:
             _fail(source, "work", "a positive peak and device count", plan.work)
+    _need(plan.options, {"optimizer": str, "overlap": bool, "bucket_cap_mb": _NUMBER, "prefetch_layers": int},
+          "options", source, optional=True)
+    if plan.options.get("bucket_cap_mb", 1) <= 0 or plan.options.get("prefetch_layers", 0) < 0:
+        _fail(source, "options", "a positive bucket_cap_mb and a prefetch_layers of 0 or more", plan.options)
     if plan.recompute_cost:
         _need(plan.recompute_cost, {"rerun_s": _NUMBER, "activations_kept_bytes": _NUMBER}, "recompute_cost", source)
     if plan.overlap:

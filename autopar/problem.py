@@ -92,6 +92,9 @@ class ShardingProblem:
     node_forward: list[list[float]] | None = None  # per node and strategy, its forward compute (the
     # rest of its compute is backward); None: all of it in one phase
     overlap_efficiency: float = 0.0
+    # weight gathers issued ahead of their layer (FSDP2's prefetch): the forward share of a
+    # parameter's communication hides behind compute; False: it is exposed (gathered when read)
+    prefetch: bool = True
 
     def count(self, i: int) -> int:
         return 1 if self.node_count is None else self.node_count[i]
@@ -134,7 +137,8 @@ class ShardingProblem:
                 total = e.count * e.pair_cost(choice[e.src], choice[e.dst])
                 forward = e.count * e.forward_cost[e.src_class[choice[e.src]]][e.dst_class[choice[e.dst]]] \
                     if e.forward_cost else 0.0
-                for phase, part in (("forward", forward), ("backward", total - forward)):
+                hidden_forward = forward if self.prefetch else 0.0  # unprefetched gathers: exposed
+                for phase, part in (("forward", hidden_forward), ("backward", total - forward)):
                     comm[(e.group, phase)] = comm.get((e.group, phase), 0.0) + part
         compute = dict.fromkeys(comm, 0.0)
         for i, s in enumerate(choice):

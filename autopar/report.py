@@ -10,6 +10,7 @@ from rich.table import Table
 
 from autopar.placements import is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
+from autopar.timeline import overlap_rows, overlap_table, pipeline_timeline, simulated_step_line, step_line
 from autopar.units import format_bytes, format_seconds
 
 
@@ -110,85 +111,6 @@ def replicas_table(plan: Plan) -> Table:
     return table
 
 
-def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
-    """Per stage, the (start, end, "F"/"B", micro-batch) of every forward and backward in one
-    step, simulated from the predicted stage and send times (backward = 2× forward).
-
-    1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
-    backward, then drains; GPipe: all forwards, then all backwards.
-    """
-    p, m = len(plan.stages), plan.micro_batches
-    fwd = [st.compute_s / 3 for st in plan.stages]
-    bwd = [2 * st.compute_s / 3 for st in plan.stages]
-    send = [st.send_s / 2 for st in plan.stages]  # one way
-    orders = []
-    for s in range(p):
-        warm = m if plan.schedule == "GPipe" else min(p - s - 1, m)
-        order = [("F", i) for i in range(warm)]
-        for i in range(warm, m):
-            order += [("F", i), ("B", i - warm)]
-        order += [("B", i) for i in range(m - warm if plan.schedule != "GPipe" else 0, m)]
-        orders.append(order)
-    done: dict[tuple[str, int, int], float] = {}
-    spans: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
-    clock, position = [0.0] * p, [0] * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if position[s] == len(orders[s]):
-                continue
-            kind, i = orders[s][position[s]]
-            need = ("F", s - 1, i) if kind == "F" and s > 0 else ("B", s + 1, i) if kind == "B" and s < p - 1 else None
-            if need is not None and need not in done:
-                continue
-            ready = done[need] + send[need[1]] if need is not None and kind == "F" else \
-                done[need] + send[s] if need is not None else 0.0
-            start = max(clock[s], ready)
-            end = start + (fwd[s] if kind == "F" else bwd[s])
-            done[(kind, s, i)] = clock[s] = end
-            spans[s].append((start, end, kind, i))
-            position[s] += 1
-            progressed = True
-        if not progressed:  # cannot happen for these schedules; guard against an endless loop
-            break
-    return spans
-
-
-def simulated_step_line(plan: Plan) -> str:
-    """The timeline's own length beside the plan's predicted step. The timeline simulates the
-    schedule op by op from the stages' times; the planner's formula (solvers.pipeline) charges
-    every micro-batch after the first one pace — the busiest stage or link, or under 1F1B a
-    round trip shared by one micro-batch per stage — so the two differ, and the line says how."""
-    spans = schedule_spans(plan)
-    simulated = max((end for row in spans for _, end, _, _ in row), default=0.0)
-    line = f"the timeline spans {format_seconds(simulated)}"
-    if simulated > 1.02 * plan.predicted_step_s:
-        line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula overlaps "
-                 "sends and stages more than this schedule lets them")
-    elif simulated < 0.98 * plan.predicted_step_s:
-        line += (f"; the plan predicts {format_seconds(plan.predicted_step_s)} per step: its formula charges every "
-                 "micro-batch one pace (the busiest stage or link, or the round trip), the timeline lets stages "
-                 "run ahead where they can")
-    return line
-
-
-def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
-    """One text row per stage: which micro-batch's forward (digit) or backward (letter, a = 0)
-    runs when (:func:`schedule_spans`); '*' where several share one cell, '.' is idle."""
-    spans = schedule_spans(plan)
-    total = max((end for row in spans for _, end, _, _ in row), default=0.0) or 1.0
-    rows = []
-    for s, st in enumerate(plan.stages):
-        cells = ["."] * width
-        for start, end, kind, i in spans[s]:
-            mark = str(i % 10) if kind == "F" else chr(ord("a") + i % 26)
-            first = min(int(start / total * width), width - 1)
-            for c in range(first, max(first + 1, min(int(end / total * width), width))):
-                cells[c] = mark if cells[c] in (".", mark) else "*"
-        rows.append(f"stage {s} {st.group:>10} |{''.join(cells)}|")
-    return rows
-
-
 def imbalance(plan: Plan) -> dict[str, float]:
     """max/mean over devices of the time each is busy per step and of its memory: 1.00 when
     every device runs the same program (one mesh); pipeline stages and replicas differ."""
@@ -245,47 +167,6 @@ def recompute_line(plan: Plan) -> str:
                  f"{format_bytes(plan.memory.activations_bytes)} of activations instead of "
                  f"{format_bytes(cost['activations_kept_bytes'])}")
     return line
-
-
-def overlap_rows(plan: Plan) -> list[list[str]]:
-    """Per layer group with overlappable communication: layer, copies, then forward and
-    backward compute and communication per copy, and what overlap hid over all copies."""
-    eta = plan.overlap.get("efficiency", 0.0)
-    rows = []
-    for entry in plan.overlap.get("layers", ()):
-        (cf, of), (cb, ob) = entry["forward"], entry["backward"]
-        if of or ob:
-            n = entry["copies"]
-            hidden = eta * (min(cf, of) + min(cb, ob))
-            rows.append([entry["layer"] or "(outside layers)", str(n),
-                         *(format_seconds(t / n) for t in (cf, of, cb, ob)), format_seconds(hidden)])
-    return rows
-
-
-def overlap_table(plan: Plan) -> Table:
-    table = Table(title=f"communication beside compute, per layer (overlap efficiency "
-                        f"{plan.overlap.get('efficiency', 0.0):g}; times per copy, hidden over all copies)")
-    for column in ("layer", "copies", "fwd compute", "fwd gathers", "bwd compute", "bwd reductions", "hidden"):
-        table.add_column(column, justify="left" if column == "layer" else "right")
-    for row in overlap_rows(plan):
-        table.add_row(*row)
-    return table
-
-
-def exposed_comm_s(plan: Plan) -> float:
-    """The communication overlap did not hide (all of it in plans made before overlap)."""
-    return plan.predicted_comm_s if plan.predicted_exposed_comm_s is None else plan.predicted_exposed_comm_s
-
-
-def step_line(plan: Plan) -> str:
-    """The step as compute plus what communication adds to it, and what overlap hid."""
-    line = f"predicted step {format_seconds(plan.predicted_step_s)} = compute {format_seconds(plan.predicted_compute_s)}"
-    exposed = exposed_comm_s(plan)
-    hidden = plan.predicted_comm_s - exposed
-    if hidden <= 1e-3 * plan.predicted_comm_s:
-        return line + f" + communication {format_seconds(plan.predicted_comm_s)}"
-    return (line + f" + exposed communication {format_seconds(exposed)} (of {format_seconds(plan.predicted_comm_s)}: "
-            f"{format_seconds(hidden)} hidden behind compute)")
 
 
 def precision_line(plan: Plan) -> str:

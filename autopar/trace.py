@@ -7,10 +7,11 @@ group), one track per stream. A one-mesh plan is drawn the way the cost model se
 the compute stream busy for the layer's compute and the communication stream for its
 parameter collectives (gathers, gradient reductions) started with it, the phase as long as
 ``C + O − η·min(C, O)`` (the longer stream's span stretched by what it could not hide of the
-other, η the device's overlap efficiency); the critical-path collectives (reshards between ops,
+other, η the device's overlap efficiency), the layer's ops nested in its compute span under
+their names in ``pmodel.code`` (each its share by predicted time); the critical-path collectives (reshards between ops,
 tensor-parallel all-reduces, exchanges) follow as one block, which is where the plan's step
 time puts them in total though the program runs them between their ops. A pipeline plan is
-drawn from its simulated schedule (autopar.report.schedule_spans): one process per stage.
+drawn from its simulated schedule (autopar.timeline.schedule_spans): one process per stage.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, atomic_write_text
-from autopar.report import schedule_spans
+from autopar.timeline import schedule_spans
 
 _US = 1e6  # trace timestamps are in microseconds
 
@@ -48,6 +49,10 @@ def _one_mesh_events(plan: Plan) -> list[dict]:
     events = _names(0, devices, ("compute", "communication"))
     eta = plan.overlap["efficiency"]
     layers = [entry for entry in plan.overlap["layers"] if any(entry["forward"]) or any(entry["backward"])]
+    ops: dict[str, list[tuple[str, float, str]]] = {}  # layer -> its ops with a cost, in graph order
+    for name, node in sorted(plan.nodes.items(), key=lambda item: item[1].position):
+        if node.compute_s > 0 and node.op != "input":
+            ops.setdefault(node.layer, []).append((name, node.compute_s, node.op))
     clock = 0.0
     for phase, order in (("forward", layers), ("backward", layers[::-1])):
         for entry in order:
@@ -59,8 +64,11 @@ def _one_mesh_events(plan: Plan) -> list[dict]:
             slowed = {"phase": phase, "slowed_by_the_other_stream_s": length - max(compute, comm)}
             for name in (names if phase == "forward" else names[::-1]):
                 if compute:
-                    events.append(_span(f"{name} {phase}", clock, length if compute >= comm else compute, 0, 0,
+                    span = length if compute >= comm else compute
+                    events.append(_span(f"{name} {phase}", clock, span, 0, 0,
                                         slowed if compute >= comm else {"phase": phase}))
+                    mine = ops.get(name if entry["layer"] else "", [])
+                    events += _op_spans(mine if phase == "forward" else mine[::-1], clock, span, phase)
                 if comm:
                     what = "gathers" if phase == "forward" else "gradient reductions, re-gathers"
                     events.append(_span(f"{name} {what}", clock, length if comm > compute else comm, 0, 1,
@@ -80,6 +88,18 @@ def _pipeline_events(plan: Plan) -> list[dict]:
         for start, end, kind, micro_batch in spans:
             name = f"{'forward' if kind == 'F' else 'backward'} micro-batch {micro_batch}"
             events.append(_span(name, start, end - start, s, 0, {"micro_batch": micro_batch}))
+    return events
+
+
+def _op_spans(ops: list[tuple[str, float, str]], start_s: float, span_s: float, phase: str) -> list[dict]:
+    """A layer's ops inside its compute span, each its share of the span by its predicted
+    time, named as in ``pmodel.code`` (the graph's node names)."""
+    total = sum(seconds for _, seconds, _ in ops)
+    events, clock = [], start_s
+    for k, (name, seconds, op) in enumerate(ops):
+        end = start_s + span_s if k == len(ops) - 1 else clock + span_s * seconds / total
+        events.append(_span(name, clock, end - clock, 0, 0, {"op": op, "phase": phase}))
+        clock = end
     return events
 
 

@@ -9,8 +9,11 @@
 
 Prints a table (predicted, measured, ratio), the Spearman rank correlation and the median
 absolute relative error, and for each model whether autopar's plan measured fastest (or
-within 10 % of the fastest); then DDP plans measured with overlap off and on
-(:func:`overlap_off_on`) and whether the model predicted the direction of the change. Writes benchmarks/results/cost_model_accuracy.json.
+within 10 % of the fastest); then DDP and FSDP plans measured with overlap off and on
+(:func:`overlap_off_on`) and whether the model predicted the direction of the change.
+Writes benchmarks/results/cost_model_accuracy.json, and one step of autopar's plan for the
+GPT as a predicted trace (``autopar show --trace``) beside a torch.profiler trace of the same
+step (:func:`save_traces`).
 
     python benchmarks/cost_model_accuracy.py [--cluster cpu.yaml]
 """
@@ -84,17 +87,17 @@ def measure(name: str, plan_json: str, warmup: int = 2, steps: int = 9) -> float
 
 
 def overlap_off_on(cluster: str) -> list[dict]:
-    """DDP plans with overlap off (the cost model sums every collective; the program
-    all-reduces the gradients in one bucket after backward) and on (the profile's overlap
-    efficiency; 1 MiB buckets all-reduced asynchronously as they fill): both measured.
-    ``direction``: whether the model predicted the sign of the change (a change under 5 % of
-    the step — this machine's step-to-step spread on gloo — counts as none, on either side).
-    FSDP-like plans are left out: their lowered program does not overlap yet (the gathers and
-    reduce-scatters run where autograd meets them), so off and on run the same program."""
+    """DDP and FSDP plans with overlap off (the cost model sums every collective; the program
+    waits for each collective where it issues it, DDP's gradients all-reduced in one bucket
+    after backward) and on (the profile's overlap efficiency; 1 MiB DDP buckets all-reduced
+    asynchronously as they fill; FSDP's gathers a layer ahead and its reduce-scatters during
+    backward, all async): both measured. ``direction``: whether the model predicted the sign
+    of the change (a change under 5 % of the step — this machine's step-to-step spread on
+    gloo — counts as none, on either side)."""
     rows = []
     for name in ("mlp-1024", "gpt-2L-128", "block-256"):
         model, inputs, _ = build(name)
-        for configuration in ("ddp",):
+        for configuration in ("ddp", "fsdp"):
             try:
                 off = autopar.plan(model, inputs, cluster=cluster, configuration=configuration, overlap=False,
                                    bucket_cap_mb=1e6)
@@ -115,6 +118,36 @@ def overlap_off_on(cluster: str) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
+
+
+def profile_step(name: str, plan_json: str, path: str) -> None:
+    """One pmodel.step under torch.profiler (after two warm-up steps); rank 0 writes its
+    Chrome trace to ``path``, to open beside the predicted one (``autopar show --trace``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    model, inputs, target = build(name)
+    pmodel = autopar.apply(model, autopar.Plan.from_json(plan_json), loss_fn=loss_of(name))
+    for _ in range(2):
+        pmodel.step(*inputs, target=target)
+        pmodel.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        pmodel.step(*inputs, target=target)
+    if dist.get_rank() == 0:
+        prof.export_chrome_trace(path)
+
+
+def save_traces(cluster: str, name: str = "gpt-2L-128") -> dict:
+    """The predicted and the measured trace of autopar's plan for ``name``, side by side in
+    benchmarks/results/."""
+    from autopar.trace import write_trace
+
+    model, inputs, _ = build(name)
+    plan = autopar.plan(model, inputs, cluster=cluster)
+    paths = {kind: os.path.join(HERE, "results", f"trace_{name}_{kind}.json") for kind in ("predicted", "measured")}
+    write_trace(plan, paths["predicted"])
+    run_world(2, profile_step, name, plan.to_json(), paths["measured"])
+    return paths
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -166,6 +199,8 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         overlap_rows = overlap_off_on(cluster)
+        os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+        traces = save_traces(cluster)
     predicted = [r["predicted_ms"] for r in rows]
     measured = [r["measured_ms"] for r in rows]
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
@@ -176,8 +211,7 @@ def main() -> None:
         ours = next((r["measured_ms"] for r in mine if r["plan"] == "autopar"), None)
         verdicts[name] = ours is not None and ours <= 1.10 * fastest
     summary = {"profile": profile, "rows": rows, "spearman": spearman(predicted, measured), "median_abs_rel_error": statistics.median(errors),
-               "autopar_fastest_within_10pct": verdicts, "overlap_off_on": overlap_rows}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+               "autopar_fastest_within_10pct": verdicts, "overlap_off_on": overlap_rows, "traces": traces}
     with open(os.path.join(HERE, "results", "cost_model_accuracy.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"\n{'model':12} {'plan':12} {'predicted ms':>13} {'measured ms':>12} {'ratio':>7}")
@@ -189,6 +223,7 @@ def main() -> None:
     for r in overlap_rows:
         print(f"{r['model']:12} {r['plan']:6} {r['predicted_off_ms']:9.2f} {r['predicted_on_ms']:9.2f} "
               f"{r['measured_off_ms']:9.2f} {r['measured_on_ms']:9.2f}  {r['direction']}")
+    print(f"\ntraces of one step, predicted and measured (open both in https://ui.perfetto.dev): {traces}")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
                   symbolic: bool = False, tables_whole: bool = False,
                   recompute: str | None = None, zero: bool = True,
-                  loss_on_outputs: bool = False, overlap_efficiency: float = 0.0
+                  loss_on_outputs: bool = False, overlap_efficiency: float = 0.0, prefetch: bool = True
                   ) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
@@ -106,7 +106,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     outside every layer: one more group) is an overlap group — its parameters' collectives
     (weight gathers, prefetched one layer ahead as FSDP2 does, and gradient reductions, issued
     during backward as DDP's buckets are) hide behind its compute for the fraction η
-    (autopar.problem, solvers.formulation); every other collective stays on the critical path."""
+    (autopar.problem, solvers.formulation); every other collective stays on the critical path.
+    Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -241,7 +242,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts,
                               node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
-                              overlap_efficiency=overlap_efficiency)
+                              overlap_efficiency=overlap_efficiency, prefetch=prefetch)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
                                  kept_without_recompute, rerun_s, list(group_of))
 

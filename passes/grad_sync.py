@@ -107,11 +107,14 @@ class GradientSync:
     it launches the partly filled buckets, waits for every collective (``Work.wait``), writes
     the sums back as the gradients, and redistributes the rest (experts on their owners'
     sub-meshes) one by one. ``mesh``: the module's mesh — only its parameters' buckets go
-    early (every rank reports them in the same order, so the collectives match)."""
+    early (every rank reports them in the same order, so the collectives match).
+    ``overlap`` off (a plan made with ``overlap=False``): every bucket waits for the end of
+    backward, as the cost model then assumes."""
 
-    def __init__(self, mesh=None, bucket_bytes: int = DDP_BUCKET_BYTES) -> None:
+    def __init__(self, mesh=None, bucket_bytes: int = DDP_BUCKET_BYTES, overlap: bool = True) -> None:
         self.mesh = mesh
         self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
         self.pending: list[nn.Parameter] = []  # synchronised at the end of the pass
         # (mesh dims, dtype) -> bucket being filled, its bytes so far
         self.filling: dict[tuple, tuple[list[nn.Parameter], int]] = {}
@@ -134,7 +137,7 @@ class GradientSync:
         members, nbytes = self.filling.get(key, ([], 0))
         members.append(param)
         self.filling[key] = (members, nbytes + param.grad.to_local().nbytes)
-        if self.filling[key][1] >= self.bucket_bytes:
+        if self.overlap and self.filling[key][1] >= self.bucket_bytes:
             self._launch(key)
 
     def _bound(self, param: nn.Parameter) -> None:

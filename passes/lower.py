@@ -83,11 +83,13 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     needed where not every rank lowers this mesh (pipeline stages)."""
     _distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate, owner_meshes)
     setattr(gm, MESH_ATTR, mesh)
-    gathers = WeightGathers()
+    overlap = plan.options.get("overlap", True)  # off: the program's collectives wait where issued
+    gathers = WeightGathers(overlap)
     setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
-    prefetch_gathers(gm.graph, set(plan.recompute))
+    if overlap:
+        prefetch_gathers(gm.graph, set(plan.recompute), plan.options.get("prefetch_layers", 1))
     gm.recompile()
     if any(n.op == "call_method" and n.target == "gather" for n in gm.graph.nodes):
         install(gm, gathers)
@@ -119,7 +121,8 @@ def _distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     alias_of = captured.aliases
     placed: dict[str, tuple[str, tuple[str, str]]] = {}  # alias -> (planned fqn, (placement, optimizer state))
     bucket_mb = plan.options.get("bucket_cap_mb")  # recorded only when not DDP's default
-    gradient_sync = GradientSync(mesh, DDP_BUCKET_BYTES if bucket_mb is None else int(bucket_mb * 2**20))
+    gradient_sync = GradientSync(mesh, DDP_BUCKET_BYTES if bucket_mb is None else int(bucket_mb * 2**20),
+                                 plan.options.get("overlap", True))
     owned = {name for name, _ in gm.named_parameters(remove_duplicate=False)}  # a stage holds only its own
     for fqn, pplan in plan.parameters.items():
         if fqn not in owned:

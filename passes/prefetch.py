@@ -1,5 +1,5 @@
 """FSDP2's forward prefetch for the lowered graph: a sharded weight's gather is moved a layer
-ahead, so its all-gather runs while the previous layer computes.
+(``prefetch_layers``) ahead, so its all-gather runs while the previous layer computes.
 
 Lowering writes each gather (:meth:`passes.reshard.WeightGathers.gather`, issued
 asynchronously) right before the op that reads the weight. Here the gathers of layer k move
@@ -7,8 +7,8 @@ to just before the first op of layer k − 1 (a weight read after the last layer
 to before the last layer; layer 0's to the start of the graph), together with the views of the
 parameter they read; the gathered tensor waits where it is first read (its local tensor is an
 ``AsyncCollectiveTensor``). One layer ahead, as FSDP2's default: the next layer's full weights
-are held while the current one runs, which is what the plan's memory of a gathered weight
-assumes of FSDP. The planner costs the gather as hidden behind the layer before
+are held while the current one runs (the plan's memory counts no gathered weight: an
+approximation, which deeper prefetching stretches further). The planner costs the gather as hidden behind the layer before
 (passes.build_problem, the forward phase of a parameter edge).
 
 A gather read inside a layer that is recomputed is left where it is: moved out of the
@@ -24,8 +24,11 @@ from autopar.passes.cost import is_view_op
 from autopar.passes.stages import node_layer
 
 
-def prefetch_gathers(graph: torch.fx.Graph, recomputed: set[str] = frozenset()) -> int:
-    """Move every movable gather of ``graph`` a layer ahead (in place); returns how many moved."""
+def prefetch_gathers(graph: torch.fx.Graph, recomputed: set[str] = frozenset(), layers_ahead: int = 1) -> int:
+    """Move every movable gather of ``graph`` ``layers_ahead`` layers ahead (in place; FSDP2's
+    default is one); returns how many moved."""
+    if layers_ahead < 1:
+        return 0
     starts, segment_of = _segments(graph)
     layers = [layer for layer, _ in starts]
     order = {n: k for k, n in enumerate(graph.nodes)}  # moving gathers keeps the others' order
@@ -36,7 +39,8 @@ def prefetch_gathers(graph: torch.fx.Graph, recomputed: set[str] = frozenset()) 
         k = _reader_segment(node, segment_of)
         if k is None or k == 0:
             continue
-        target = next((j for j in range(k - 1, -1, -1) if layers[j] is not None), 0)
+        ahead = [j for j in range(k - 1, -1, -1) if layers[j] is not None][:layers_ahead]
+        target = ahead[-1] if ahead else 0
         inputs = _parameter_views(node)
         if layers[k] in recomputed or layers[target] in recomputed or inputs is None:
             continue

@@ -11,7 +11,9 @@ of either) is gathered; the gathered tensor's storage is remembered (weakly). Wh
 lowered module runs forward, :meth:`WeightGathers.hooks` (torch's
 ``saved_tensors_hooks``) sees what autograd saves: a tensor on such a storage — the gathered
 weight or a view of it — is saved as a recipe (its source and the view's geometry) and
-gathered again when backward unpacks it. A ZeRO-2 parameter is gathered by a plain
+gathered again for backward, asynchronously: when backward unpacks a weight it also issues
+the gather of the weight packed before it in forward, which backward needs next (FSDP2's
+backward prefetch), so that gather runs while this weight's gradients compute. A ZeRO-2 parameter is gathered by a plain
 redistribute, not here: it is meant to stay whole until backward.
 """
 
@@ -29,26 +31,53 @@ from autopar.passes import runtime
 WEIGHT_GATHERS_ATTR = "_autopar_weight_gathers"
 
 
+class _Gather:
+    """One gather of a weight in forward, as backward needs it again: its recipe, how many
+    saved tensors still want it, and the whole weight while one is fetched ahead. Backward
+    gathers it again when the first of them is unpacked — or earlier: unpacking the gather
+    that came after it in forward fetches it ahead, asynchronously (FSDP2's backward
+    prefetch; backward runs the layers in reverse, so it is the next one needed)."""
+
+    def __init__(self, source: DTensor, mesh, spec: str, dtype: torch.dtype | None, overlap: bool) -> None:
+        self.source, self.mesh, self.spec, self.dtype, self.overlap = source, mesh, spec, dtype, overlap
+        self.uses = 0  # saved tensors of this gather not yet unpacked
+        self.whole: torch.Tensor | None = None  # the gathered local tensor, while wanted
+        self.previous: _Gather | None = None  # the gather packed before this one in forward
+
+    def prefetch(self) -> None:
+        if self.whole is None and self.uses > 0:
+            self.whole = self._issue()
+
+    def take(self) -> torch.Tensor:
+        """The whole weight for one saved tensor (kept while more of them want it)."""
+        whole = self.whole if self.whole is not None else self._issue()
+        self.uses -= 1
+        self.whole = whole if self.uses > 0 else None
+        if self.previous is not None and self.overlap:
+            self.previous.prefetch()
+        return whole
+
+    def _issue(self) -> torch.Tensor:
+        with torch.no_grad():
+            return runtime.redistribute(self.source.detach(), self.mesh, self.spec, self.dtype,
+                                        async_op=self.overlap)._local_tensor
+
+
 @dataclass(frozen=True)
 class _Regather:
-    """How to rebuild a saved tensor: gather ``source`` again and view its piece as saved."""
+    """How to rebuild a saved tensor: gather its weight again and view its piece as saved."""
 
-    source: DTensor
-    mesh: object
-    spec: str
+    gather: _Gather
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
     placements: tuple
     shape: torch.Size
     global_stride: tuple[int, ...]
-    dtype: torch.dtype | None = None  # mixed precision: the compute dtype the gather casts to
 
     def rebuild(self) -> DTensor:
-        with torch.no_grad():
-            whole = runtime.redistribute(self.source.detach(), self.mesh, self.spec, self.dtype).to_local()
-        local = whole.as_strided(self.size, self.stride, self.offset)
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+        local = self.gather.take().as_strided(self.size, self.stride, self.offset)
+        return DTensor.from_local(local, self.gather.mesh, self.placements, run_check=False, shape=self.shape,
                                   stride=self.global_stride)
 
 
@@ -60,12 +89,15 @@ class _OuterPacked:
 
 
 class WeightGathers:
-    """The weights gathered during one forward, and the saved-tensor hooks that drop them."""
+    """The weights gathered during one forward, and the saved-tensor hooks that drop them.
+    ``overlap``: the gathers, re-gathers and reduce-scatters are issued asynchronously (off:
+    each waited for where it is issued — a plan made with ``overlap=False``)."""
 
-    def __init__(self) -> None:
-        # storage address -> (the gathered local tensor, weakly; the gather's source, mesh, spec,
-        # compute dtype)
-        self._gathered: dict[int, tuple[weakref.ref, DTensor, object, str, torch.dtype | None]] = {}
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
+        # storage address -> (the gathered local tensor, weakly; the gather)
+        self._gathered: dict[int, tuple[weakref.ref, _Gather]] = {}
+        self._last_packed: _Gather | None = None  # of this forward
 
     def gather(self, source: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None) -> DTensor:
@@ -74,10 +106,11 @@ class WeightGathers:
         its gradient reduced in ``reduce_dtype`` (runtime.redistribute). The gather is issued
         asynchronously (FSDP2's): it runs while the ops before its first reader compute
         (passes.prefetch moves it a layer ahead), and its backward's reduce-scatter runs while
-        backward computes the earlier layers (passes.grad_sync waits for it)."""
-        out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype, async_op=True)
+        backward computes the earlier layers (passes.grad_sync waits for it) — unless the
+        plan was made without overlap."""
+        out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype, async_op=self.overlap)
         local = _buffer(out._local_tensor)
-        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), source, mesh, spec, dtype)
+        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), _Gather(source, mesh, spec, dtype, self.overlap))
         return out
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -107,13 +140,17 @@ class WeightGathers:
         # alive: the storage is still the gathered one (a freed one's address may be reused)
         if found is None or found[0]() is None:
             return None
-        _, source, mesh, spec, dtype = found
-        return _Regather(source, mesh, spec, tuple(local.size()), tuple(local.stride()), local.storage_offset(),
-                         tuple(saved.placements), saved.shape, tuple(saved.stride()), dtype)
+        gather = found[1]
+        if gather.uses == 0:  # its first saved tensor: backward reaches it after the one packed before
+            gather.previous, self._last_packed = self._last_packed, gather
+        gather.uses += 1
+        return _Regather(gather, tuple(local.size()), tuple(local.stride()), local.storage_offset(),
+                         tuple(saved.placements), saved.shape, tuple(saved.stride()))
 
     def forget(self) -> None:
         """Drop the record of this forward's gathers (the recipes already packed keep theirs)."""
         self._gathered.clear()
+        self._last_packed = None
 
 
 def _buffer(local: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ Objective (seconds of one training step)
              forward time, backward the rest of c[i,s] less comm[i,s] (a node's own exchange —
              an expert dispatch, a sparse exchange — is critical-path communication)
     O_gφ = Σ_{e ∈ g} n_e (e's R terms as above, their phase-φ part)   overlappable communication:
-             a parameter's gathers (prefetched) in forward; its gradient reduction and the
+             a parameter's gathers in forward (when prefetched; else they stay in the edge cost,
+             exposed); its gradient reduction and the
              re-gather of a freed weight in backward
     At the optimum z[g,φ] = η·max(C_gφ, O_gφ), so group g costs Σ_φ C_gφ + O_gφ − η·min(C_gφ, O_gφ):
     a compute stream and a communication stream per phase, overlappable collectives hidden
@@ -127,7 +128,7 @@ class Formulation:
             if eta and e.group >= 0:
                 for var, c, f in zip(variables, costs, forward or [0.0] * len(costs)):
                     if c is not None:
-                        _term(comm, (e.group, "forward"), var, f)
+                        _term(comm, (e.group, "forward"), var, f if problem.prefetch else 0.0)
                         _term(comm, (e.group, "backward"), var, c - f)
         # overlap: (group, phase, z, compute terms, communication terms), each term n·seconds
         self.overlap_groups: list[tuple[int, str, int, tuple[list[int], list[float]],

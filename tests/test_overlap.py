@@ -150,18 +150,28 @@ def test_gradient_all_reduces_run_inside_the_backward_pass():
     assert error < 1e-5
 
 
-def _fsdp_worker():
+def _fsdp_worker(overlap: bool = True, prefetch_layers: int = 1):
     """One FSDP step of a 4-layer ResidualMLP on this rank: the lowered code, which gradients
     arrived while their reduce-scatter was still in flight, and how far the gradients are from
     one process's."""
+    from autopar.passes import reshard
     from autopar.passes.grad_sync import reducing
 
+    fetched = {"ahead": 0, "when_unpacked": 0}  # backward's re-gathers: prefetched or not
+    take = reshard._Gather.take
+
+    def counted(gather):
+        fetched["ahead" if gather.whole is not None else "when_unpacked"] += 1
+        return take(gather)
+
+    reshard._Gather.take = counted
     torch.manual_seed(0)
     model, x, target = ResidualMLP(256, 4), torch.randn(1024, 256), torch.randn(1024, 256)
     reference = ResidualMLP(256, 4)
     reference.load_state_dict(model.state_dict())
     torch.nn.functional.mse_loss(reference(x), target).backward()
-    pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="fsdp")
+    pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="fsdp",
+                                 overlap=overlap, prefetch_layers=prefetch_layers)
     in_flight = {}
     for name, param in pmodel.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: in_flight.update({name: reducing(p)}))
@@ -169,17 +179,20 @@ def _fsdp_worker():
     grads = dict(pmodel.named_parameters())
     error = max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
     settled = not any(reducing(p) for p in grads.values())
-    return pmodel.code, in_flight, error, settled
+    reshard._Gather.take = take
+    return pmodel.code, in_flight, error, settled, fetched
 
 
 def test_fsdp_gathers_run_a_layer_ahead_and_reductions_during_backward():
     """FSDP2's overlap in the lowered program: layer k's weights are gathered (async) before
     layer k − 1 computes — the parameter as stored, its transpose taken on the whole weight —
     every gradient reaches its parameter while its reduce-scatter is still in flight (backward
-    goes on), all are waited for when backward ends, and each equals one process's."""
+    goes on), all are waited for when backward ends, and each equals one process's. Backward
+    gathers the freed weights again, each but the first fetched while the layer after it
+    computes its gradients (the first layer's weight is not kept: its input needs no gradient)."""
     from tests.distributed import run_world
 
-    code, in_flight, error, settled = run_world(2, _fsdp_worker)
+    code, in_flight, error, settled, fetched = run_world(2, _fsdp_worker)
     lines = code.splitlines()
 
     def first(text: str) -> int:
@@ -192,16 +205,61 @@ def test_fsdp_gathers_run_a_layer_ahead_and_reductions_during_backward():
     assert ".gather(permute" not in code  # the stored shard is gathered, not its transpose
     assert len(in_flight) == 16 and all(in_flight.values()), in_flight
     assert settled
+    assert fetched == {"ahead": 6, "when_unpacked": 1}, fetched
     assert error < 1e-5
+
+
+def test_a_plan_made_without_overlap_runs_its_collectives_where_it_issues_them():
+    """``overlap=False`` plans and lowers alike: each gather where its weight is read, every
+    collective waited for where it is issued — and the same gradients."""
+    from tests.distributed import run_world
+
+    code, in_flight, error, settled, fetched = run_world(2, _fsdp_worker, False)
+    lines = code.splitlines()
+    first_layer_done = next(k for k, line in enumerate(lines) if "addmm_1 = " in line)
+    assert next(k for k, line in enumerate(lines) if "gather(layers_1_0_weight, " in line) > first_layer_done, code
+    assert len(in_flight) == 16 and not any(in_flight.values()), in_flight
+    assert settled and fetched == {"ahead": 0, "when_unpacked": 7}, fetched
+    assert error < 1e-5
+
+
+def test_prefetch_depth_is_a_knob_of_the_cost_model_and_the_program():
+    """``prefetch_layers`` (FSDP2 prefetches 1 layer ahead): 0 gathers each weight where it is
+    read, so the plan's forward gathers are exposed and the step is longer; 2 moves layer k's
+    gathers before layer k − 2 in the lowered program, gradients unchanged."""
+    from tests.distributed import run_world
+
+    steps = {}
+    for depth in (0, 1):
+        plan = _plan(1024, True, configuration="fsdp", prefetch_layers=depth)
+        steps[depth] = plan.predicted_step_s
+        assert plan.options.get("prefetch_layers", 1) == depth
+        forward_hidden = sum(min(entry["forward"]) for entry in plan.overlap["layers"])
+        assert (forward_hidden > 0) == (depth > 0), plan.overlap
+    assert steps[0] > steps[1], steps
+    with pytest.raises(AutoparError, match="prefetch_layers must be a whole number"):
+        _plan(1024, True, prefetch_layers=-1)
+
+    code, in_flight, error, settled, _ = run_world(2, _fsdp_worker, True, 2)
+    lines = code.splitlines()
+
+    def first(text: str) -> int:
+        return next(k for k, line in enumerate(lines) if text in line)
+
+    assert first("gather(layers_2_0_weight, ") < first("addmm = "), code
+    assert first("addmm = ") < first("gather(layers_3_0_weight, ") < first("addmm_2 = "), code  # two layers, not more
+    assert all(in_flight.values()) and settled and error < 1e-5
 
 
 def test_show_reports_and_traces_the_overlapped_step(tmp_path):
     """`autopar show` gives per layer the compute and the communication beside it; `--trace`
-    writes the predicted step as a Chrome trace whose two streams add up to the plan's step."""
+    writes the predicted step as a Chrome trace whose two streams add up to the plan's step,
+    each layer's ops inside its span under their names in pmodel.code."""
     import json
 
     from autopar.cli import main
-    from autopar.report import summary, overlap_rows
+    from autopar.report import summary
+    from autopar.timeline import overlap_rows
 
     plan = _plan(1024, overlap=True)
     assert overlap_rows(plan) == [["layers.0", "4", *overlap_rows(plan)[0][2:]]]
@@ -211,8 +269,16 @@ def test_show_reports_and_traces_the_overlapped_step(tmp_path):
     plan.save(path)
     assert main(["show", str(path), "--trace", str(trace)]) == 0
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
-    compute = [e for e in events if e["tid"] == 0]
+    ops = [e for e in events if e["tid"] == 0 and "op" in e["args"]]  # nested in their layer's span
+    compute = [e for e in events if e["tid"] == 0 and "op" not in e["args"]]
     comm = [e for e in events if e["tid"] == 1]
+    for layer in compute:  # each layer's ops fill its compute span, named as in pmodel.code
+        inside = [e["name"] for e in ops if layer["ts"] <= e["ts"] < layer["ts"] + layer["dur"]]
+        forward = layer["name"].endswith("forward")
+        if layer["name"].startswith("layers.0 "):
+            assert inside == (["addmm", "relu", "addmm_1"] if forward else ["addmm_1", "relu", "addmm"])
+        if layer["name"].startswith("layers.3 "):
+            assert inside == (["addmm_6", "relu_3", "addmm_7"] if forward else ["addmm_7", "relu_3", "addmm_6"])
     assert [e["name"] for e in compute[:4]] == [f"layers.{k} forward" for k in range(4)]
     assert [e["name"] for e in compute[-4:]] == [f"layers.{k} backward" for k in (3, 2, 1, 0)]
     assert all(e["name"].endswith("gradient reductions, re-gathers") for e in comm)  # DDP: nothing to gather

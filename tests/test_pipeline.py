@@ -269,7 +269,7 @@ def test_the_timeline_marks_shared_cells_and_says_how_it_relates_to_the_predicti
     text and HTML reports state the timeline's own length beside the plan's prediction
     (the formula now bounds 1F1B by its round trip, so where sends dominate the two stay close)."""
     from autopar.html_report import render
-    from autopar.report import pipeline_timeline, schedule_spans, simulated_step_line
+    from autopar.timeline import pipeline_timeline, schedule_spans, simulated_step_line
 
     model, x = GPT(layers=4), torch.randint(0, 64, (16, 16))
     plan = autopar.plan(model, (x,), cluster=os.path.join(CLUSTERS, "two_cpu_regions.yaml"), pipeline=True,

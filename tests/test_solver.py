@@ -49,7 +49,8 @@ def random_problem(rng: random.Random) -> ShardingProblem:
             [None if c is None else round(rng.uniform(0, c), 3) for c in row] for row in e.cost]
             if rng.random() < 0.7 else None) if rng.random() < 0.6 else e for e in edges]
         problem = dataclasses.replace(problem, edges=edges, node_group=groups, node_comm=own, node_forward=forward,
-                                      overlap_efficiency=rng.choice([1.0, 0.5, round(rng.uniform(0, 1), 3)]))
+                                      overlap_efficiency=rng.choice([1.0, 0.5, round(rng.uniform(0, 1), 3)]),
+                                      prefetch=rng.random() < 0.7)
     return problem
 
 

@@ -73,8 +73,8 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None),
                                    loss_on_outputs=True,
-                                   overlap_efficiency=PlanOptions(overlap=plan.options.get("overlap", True))
-                                   .overlap_efficiency(cluster.device))
+                                   overlap_efficiency=PlanOptions.of_plan(plan).overlap_efficiency(cluster.device),
+                                   prefetch=PlanOptions.of_plan(plan).prefetch_layers > 0)
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]

@@ -30,7 +30,7 @@ from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers
-from autopar.passes.stages import layer_order
+from autopar.passes.stages import layer_order, node_layer
 from autopar.passes.cost import annotate_costs, tensor_bytes
 from autopar.passes.memory import annotate_saved
 from autopar.passes.build_problem import (
@@ -154,7 +154,8 @@ class MeshSearch:
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
                              recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None,
                              loss_on_outputs=self.loss_on_outputs,
-                             overlap_efficiency=self.options.overlap_efficiency(self.cluster.device))
+                             overlap_efficiency=self.options.overlap_efficiency(self.cluster.device),
+                             prefetch=self.options.prefetch_layers > 0)
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:
@@ -335,7 +336,7 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
     excess = table_excess // (2 + options.optimizer_states)
     memory = {"param": table_excess - excess * (1 + options.optimizer_states), "grad": excess,
               "states": excess * options.optimizer_states, "act": 0, "act_kept": 0, "rerun_s": 0.0}
-    for node in captured.graph.nodes:
+    for position, node in enumerate(captured.graph.nodes):
         q = index.node_of.get(node.name)
         if q is None:
             continue
@@ -370,7 +371,8 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
                     "compute_s": problem.node_costs[q][t], "reshard_s": local[t],
                     "memory_delta_bytes": problem.node_memory[q][t] - problem.node_memory[q][choice],
                 } for t in others),
-                memory_bytes=problem.node_memory[q][choice], exchange=chosen.exchange)
+                memory_bytes=problem.node_memory[q][choice], exchange=chosen.exchange,
+                layer=node_layer(node) or "", position=position)
             memory["act"] += problem.node_memory[q][choice]
             memory["act_kept"] += index.kept_without_recompute.get(q, problem.node_memory[q])[choice]
             memory["rerun_s"] += index.rerun_s[q][choice] if q in index.rerun_s else 0.0

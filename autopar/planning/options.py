@@ -54,6 +54,9 @@ class PlanOptions:
     # the lowered program's gradient buckets (DistributedDataParallel's bucket_cap_mb, in MiB):
     # each is all-reduced asynchronously as soon as it is full
     bucket_cap_mb: float = 25.0
+    # how many layers ahead the lowered program gathers a sharded weight (FSDP2 prefetches the
+    # next layer's: 1); 0 gathers each where it is read, and the cost model exposes those gathers
+    prefetch_layers: int = 1
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -74,6 +77,10 @@ class PlanOptions:
         if not (isinstance(self.bucket_cap_mb, (int, float)) and 0 < self.bucket_cap_mb < float("inf")):
             raise AutoparError(ErrorKind.BAD_INPUT, f"bucket_cap_mb must be a positive number of MiB, got "
                                f"{self.bucket_cap_mb!r}")
+        if not (isinstance(self.prefetch_layers, int) and not isinstance(self.prefetch_layers, bool)
+                and self.prefetch_layers >= 0):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"prefetch_layers must be a whole number of layers (0 or more), "
+                               f"got {self.prefetch_layers!r}")
         if self.pipeline and self.replicas:
             raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
 
@@ -99,7 +106,16 @@ class PlanOptions:
             recorded["overlap"] = False
         if self.bucket_cap_mb != PlanOptions.bucket_cap_mb:
             recorded["bucket_cap_mb"] = self.bucket_cap_mb
+        if self.prefetch_layers != PlanOptions.prefetch_layers:
+            recorded["prefetch_layers"] = self.prefetch_layers
         return recorded
+
+    @classmethod
+    def of_plan(cls, plan) -> "PlanOptions":
+        """The overlap options ``plan`` was made with (what re-costing it needs)."""
+        return cls(overlap=plan.options.get("overlap", True),
+                   bucket_cap_mb=plan.options.get("bucket_cap_mb", cls.bucket_cap_mb),
+                   prefetch_layers=plan.options.get("prefetch_layers", cls.prefetch_layers))
 
     def overlap_efficiency(self, device) -> float:
         """η the problems of ``device`` are built with: its own, or 0 with overlap off."""

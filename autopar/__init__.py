@@ -25,10 +25,10 @@ del plan  # the submodule autopar.plan; the name is the planning function below
 
 
 def __getattr__(name: str):
-    """``plan``, ``apply``, ``parallelize`` and ``ParallelModule``, imported on first use: they
+    """``plan``, ``replan``, ``apply``, ``parallelize`` and ``ParallelModule``, imported on first use: they
     bring torch.distributed, DTensor, torch.export and the solver, which reading a plan
     (``autopar show``) does not need."""
-    if name in ("plan", "apply", "parallelize"):
+    if name in ("plan", "replan", "apply", "parallelize"):
         from autopar import api
 
         return getattr(api, name)
@@ -39,6 +39,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
 
-__all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "apply", "parallelize",
+__all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "replan", "apply", "parallelize",
            "ParallelModule"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Public API: ``plan``, ``apply``, ``parallelize``. Thin orchestration, keyword-only options.
+"""Public API: ``plan``, ``replan``, ``apply``, ``parallelize``. Thin orchestration, keyword-only options.
 
 >>> plan = autopar.plan(model, (x,), cluster="4xA100-80GB")        # doctest: +SKIP
 >>> pmodel = autopar.apply(model, plan)   # in a process group of 4  # doctest: +SKIP
@@ -70,6 +70,23 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
                           sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision), recompute=recompute,
                           overlap=overlap, bucket_cap_mb=bucket_cap_mb, prefetch_layers=prefetch_layers)
     return choose(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), target, options)
+
+
+def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module, example_inputs, *,
+           memory_limit: float | None = None, time_limit_s: float = 60.0, solver: str = "cpsat"):
+    """Re-plan ``model`` for a changed ``cluster`` (a slower link, a lost host, another device
+    kind), warm-started from ``plan`` and with ``plan``'s options; returns a
+    :class:`autopar.planning.replan.Replan`: ``.plan`` (the new plan), ``.previous_step_s``
+    (the old plan re-costed on the new cluster), ``.migration_bytes`` and ``.migration_s`` (the
+    state the busiest device must receive to switch), ``.break_even_steps``, ``.switch`` and
+    ``.reason``. Nothing switches by itself: the caller decides."""
+    from autopar.planning import ModelGraphs
+    from autopar.planning.replan import options_of, replan as make_replan
+
+    target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
+    options = options_of(plan, solver=solver, time_limit_s=time_limit_s)
+    return make_replan(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), plan, target,
+                       options)
 
 
 def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:

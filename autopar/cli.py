@@ -27,6 +27,8 @@ EXAMPLES = {
     "diff": "autopar diff plan-8xH100.json plan-2x8xH100.json\nautopar diff a.json b.json --json",
     "profile": "autopar profile --out cpu.yaml\nautopar plan examples.gpt:build --cluster cpu.yaml",
     "checkpoint": "autopar checkpoint convert ckpt/step-1000 model.pt\nautopar checkpoint convert model.pt ckpt/start",
+    "replan": "autopar replan plan.json examples.gpt:build --cluster slow-wan.yaml -o plan-slow.json\n"
+              "autopar replan plan.json examples.gpt:build --cluster 1x8xH100 --json",
 }
 
 def _writable_output(path: str | None) -> None:
@@ -160,6 +162,26 @@ def _plan_for_cli(autopar, args, model, inputs):
                         symbolic=bool(args.batch_size), mixed_precision=args.precision,
                         recompute=args.recompute, overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb,
                         prefetch_layers=args.prefetch_layers)
+
+
+def _cmd_replan(args) -> int:
+    import autopar
+    from autopar.report import summary
+
+    _writable_output(args.output)
+    old = autopar.load_plan(args.plan)
+    with _progress(f"loading {args.model}"):
+        model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
+        answer = autopar.replan(old, args.cluster, model, inputs, memory_limit=args.memory_limit,
+                                time_limit_s=args.time_limit, solver=args.solver)
+    if args.output:  # last: a command that fails writes nothing
+        answer.plan.save(args.output)
+    if args.json:
+        print(json.dumps({**summary_json(answer.plan), "replan": answer.to_json()}, indent=1))
+    else:
+        print(summary(answer.plan))
+        print(answer.reason)
+    return 0
 
 
 def _cmd_show(args) -> int:
@@ -338,6 +360,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     p.add_argument("--json", action="store_true", help="print the machine-readable summary")
     p.set_defaults(run=_cmd_plan)
+
+    r = command("replan", "re-plan a saved plan for a changed cluster (slower links, fewer hosts), warm-started, "
+                          "with the cost of switching")
+    r.add_argument("plan")
+    r.add_argument("model", help="the model the plan was made for (.pt2, .pt, or package.module:factory)")
+    r.add_argument("--cluster", required=True, help="the cluster as it is now: a shorthand or a cluster file")
+    r.add_argument("--input", action="append", help="example input NAME=SHAPE:DTYPE, as for plan")
+    r.add_argument("--memory-limit", type=float, help="bytes per device")
+    r.add_argument("--solver", default="cpsat")
+    r.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
+    r.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
+    r.add_argument("-o", "--output", help="write the new plan JSON here (atomically)")
+    r.add_argument("--json", action="store_true",
+                   help="the new plan's summary and a replan object: previous_step_s, migration_bytes, "
+                        "migration_s, break_even_steps, switch, reason")
+    r.set_defaults(run=_cmd_replan)
 
     s = command("show", "print a saved plan's statistics")
     s.add_argument("plan")

@@ -18,7 +18,8 @@ from collections import defaultdict
 from autopar.placements import divides, parse_spec
 from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
-    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line, throughput_line)
+    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line,
+    throughput_line)
 from autopar.timeline import exposed_comm_s, overlap_rows, schedule_spans, simulated_step_line
 from autopar.units import format_bytes, format_seconds
 

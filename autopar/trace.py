@@ -20,7 +20,7 @@ import json
 import re
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, atomic_write_text
+from autopar.plan import Plan, atomic_write_text, layer_of_path
 from autopar.timeline import schedule_spans
 
 _US = 1e6  # trace timestamps are in microseconds
@@ -71,8 +71,10 @@ def _one_mesh_events(plan: Plan) -> list[dict]:
                     events += _op_spans(mine if phase == "forward" else mine[::-1], clock, span, phase)
                 if comm:
                     what = "gathers" if phase == "forward" else "gradient reductions, re-gathers"
+                    moved = {fqn: p.placement for fqn, p in plan.parameters.items()
+                             if (layer_of_path(fqn) or "") == (name if entry["layer"] else "")}
                     events.append(_span(f"{name} {what}", clock, length if comm > compute else comm, 0, 1,
-                                        slowed if comm > compute else {"phase": phase}))
+                                        {**(slowed if comm > compute else {"phase": phase}), "parameters": moved}))
                 clock += length
     rest = plan.predicted_step_s - clock
     if rest > 1e-12 * plan.predicted_step_s:

@@ -11,10 +11,9 @@ of either) is gathered; the gathered tensor's storage is remembered (weakly). Wh
 lowered module runs forward, :meth:`WeightGathers.hooks` (torch's
 ``saved_tensors_hooks``) sees what autograd saves: a tensor on such a storage — the gathered
 weight or a view of it — is saved as a recipe (its source and the view's geometry) and
-gathered again for backward, asynchronously: when backward unpacks a weight it also issues
-the gather of the weight packed before it in forward, which backward needs next (FSDP2's
-backward prefetch), so that gather runs while this weight's gradients compute. A ZeRO-2 parameter is gathered by a plain
-redistribute, not here: it is meant to stay whole until backward.
+gathered again when backward unpacks it (once for all the views saved of one gather). A
+ZeRO-2 parameter is gathered by a plain redistribute, not here: it is meant to stay whole
+until backward.
 """
 
 from __future__ import annotations
@@ -33,34 +32,28 @@ WEIGHT_GATHERS_ATTR = "_autopar_weight_gathers"
 
 class _Gather:
     """One gather of a weight in forward, as backward needs it again: its recipe, how many
-    saved tensors still want it, and the whole weight while one is fetched ahead. Backward
-    gathers it again when the first of them is unpacked — or earlier: unpacking the gather
-    that came after it in forward fetches it ahead, asynchronously (FSDP2's backward
-    prefetch; backward runs the layers in reverse, so it is the next one needed)."""
+    saved tensors still want it, and the whole weight while more of them do (one re-gather
+    serves every saved view of the weight). The re-gather is synchronous: issued
+    asynchronously a weight ahead (FSDP2's backward prefetch) it corrupted gloo's heap now and
+    then on 4 ranks (malloc: unaligned chunk; 2 of 6 runs of test_any_batch), so backward
+    gathers each freed weight when it needs it."""
 
-    def __init__(self, source: DTensor, mesh, spec: str, dtype: torch.dtype | None, overlap: bool) -> None:
-        self.source, self.mesh, self.spec, self.dtype, self.overlap = source, mesh, spec, dtype, overlap
+    def __init__(self, source: DTensor, mesh, spec: str, dtype: torch.dtype | None) -> None:
+        self.source, self.mesh, self.spec, self.dtype = source, mesh, spec, dtype
         self.uses = 0  # saved tensors of this gather not yet unpacked
         self.whole: torch.Tensor | None = None  # the gathered local tensor, while wanted
-        self.previous: _Gather | None = None  # the gather packed before this one in forward
-
-    def prefetch(self) -> None:
-        if self.whole is None and self.uses > 0:
-            self.whole = self._issue()
 
     def take(self) -> torch.Tensor:
         """The whole weight for one saved tensor (kept while more of them want it)."""
-        whole = self.whole if self.whole is not None else self._issue()
+        if self.whole is None:
+            with torch.no_grad():
+                self.whole = runtime.redistribute(self.source.detach(), self.mesh, self.spec,
+                                                  self.dtype)._local_tensor
+        whole = self.whole
         self.uses -= 1
-        self.whole = whole if self.uses > 0 else None
-        if self.previous is not None and self.overlap:
-            self.previous.prefetch()
+        if self.uses <= 0:
+            self.whole = None
         return whole
-
-    def _issue(self) -> torch.Tensor:
-        with torch.no_grad():
-            return runtime.redistribute(self.source.detach(), self.mesh, self.spec, self.dtype,
-                                        async_op=self.overlap)._local_tensor
 
 
 @dataclass(frozen=True)
@@ -90,14 +83,13 @@ class _OuterPacked:
 
 class WeightGathers:
     """The weights gathered during one forward, and the saved-tensor hooks that drop them.
-    ``overlap``: the gathers, re-gathers and reduce-scatters are issued asynchronously (off:
-    each waited for where it is issued — a plan made with ``overlap=False``)."""
+    ``overlap``: the gathers and their gradients' reduce-scatters are issued asynchronously
+    (off: each waited for where it is issued — a plan made with ``overlap=False``)."""
 
     def __init__(self, overlap: bool = True) -> None:
         self.overlap = overlap
         # storage address -> (the gathered local tensor, weakly; the gather)
         self._gathered: dict[int, tuple[weakref.ref, _Gather]] = {}
-        self._last_packed: _Gather | None = None  # of this forward
 
     def gather(self, source: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None) -> DTensor:
@@ -110,7 +102,8 @@ class WeightGathers:
         plan was made without overlap."""
         out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype, async_op=self.overlap)
         local = _buffer(out._local_tensor)
-        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), _Gather(source, mesh, spec, dtype, self.overlap))
+        record = _Gather(source, mesh, spec, dtype)
+        self._gathered[local.untyped_storage().data_ptr()] = (weakref.ref(local), record)
         return out
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -141,8 +134,6 @@ class WeightGathers:
         if found is None or found[0]() is None:
             return None
         gather = found[1]
-        if gather.uses == 0:  # its first saved tensor: backward reaches it after the one packed before
-            gather.previous, self._last_packed = self._last_packed, gather
         gather.uses += 1
         return _Regather(gather, tuple(local.size()), tuple(local.stride()), local.storage_offset(),
                          tuple(saved.placements), saved.shape, tuple(saved.stride()))
@@ -150,7 +141,6 @@ class WeightGathers:
     def forget(self) -> None:
         """Drop the record of this forward's gathers (the recipes already packed keep theirs)."""
         self._gathered.clear()
-        self._last_packed = None
 
 
 def _buffer(local: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Start-up dominates small runs, so a test passes several cases to one world.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -23,6 +24,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, fn, args, result_path: str) -> None:
+    faulthandler.enable()  # a worker that crashes (SIGSEGV, SIGABRT) prints where, every thread's stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

@@ -60,7 +60,8 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
     "training_forward", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "materialize", "recompute", "reshard", "split_loss", "relower", "prefetch")} | {"autopar.parallel"}
+                                            "runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
+                                            "prefetch")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "model_files", "report", "html_report",
                                                 "profile", "timeline", "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls

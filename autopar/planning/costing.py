@@ -75,6 +75,12 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
                                    loss_on_outputs=True,
                                    overlap_efficiency=PlanOptions.of_plan(plan).overlap_efficiency(cluster.device),
                                    prefetch=PlanOptions.of_plan(plan).prefetch_layers > 0)
+    return problem, index, plan_choice(captured, plan, index, f"mesh {list(mesh.shape)} of {cluster.describe()}")
+
+
+def plan_choice(captured: Captured, plan: Plan, index: ProblemIndex, where: str) -> list[int]:
+    """The strategy ``plan`` chose for each node of a problem (its ``index``) built on the
+    plan's mesh shape; BAD_PLAN naming the node when a placement is not offered ``where``."""
     choice = []
     for q, (name, kind) in enumerate(zip(index.names, index.kinds)):
         options = index.strategies[q]
@@ -94,7 +100,6 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
             match = [t for t, s in enumerate(options) if tuple(format_spec(p) for p in s.outputs) == node.outputs
                      and tuple(format_spec(p) for p in s.inputs) == node.inputs and s.exchange == node.exchange]
         if not match:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"node {name}: its planned placement is not available on mesh "
-                               f"{list(mesh.shape)} of {cluster.describe()}")
+            raise AutoparError(ErrorKind.BAD_PLAN, f"node {name}: its planned placement is not available on {where}")
         choice.append(match[0])
-    return problem, index, choice
+    return choice

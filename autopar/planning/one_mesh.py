@@ -23,6 +23,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
 from autopar.placements import format_spec, is_replicated
 from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
+from autopar.planning.costing import plan_choice
 from autopar.planning.hand_written import baseline_problem, cost_baselines
 from autopar.planning.options import PlanOptions
 from autopar.planning.sections import expert_layers, sparse_tables
@@ -145,9 +146,15 @@ class MeshSearch:
             annotate_strategies(captured, mesh.shape, skip=self.repeated)
             problem, index = self._problem(mesh)
             prepared.append((self.engine.lower_bound(problem), order, mesh, problem, index))
-        self.prepared = sorted(prepared, key=lambda p: p[:2])  # by bound, then the simpler mesh
+        # by bound, then the simpler mesh; a warm start's mesh first (its incumbent prunes the rest)
+        self.prepared = sorted(prepared, key=lambda p: (not self._warm(p[2]), *p[:2]))
         self.prepare_s = time.perf_counter() - self.start
         self._baselines: tuple[dict[str, dict], dict[int, list[int] | None]] | None = None
+
+    def _warm(self, mesh: MeshSpec) -> bool:
+        """Whether ``mesh`` is the warm-start plan's (options.warm_start, a one-mesh plan)."""
+        warm = self.options.warm_start
+        return warm is not None and warm.family == "one_mesh" and tuple(warm.mesh_shape) == tuple(mesh.shape)
 
     def _problem(self, mesh: MeshSpec, tables_whole: bool = False):
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
@@ -180,6 +187,12 @@ class MeshSearch:
                     if old is None or entry["feasible"] and (not old["feasible"] or
                                                              entry["predicted_step_s"] < old["predicted_step_s"]):
                         found[name] = entry
+                if self._warm(mesh):  # the plan being re-made: the solver starts from its placements
+                    try:
+                        hints[order] = plan_choice(self.captured, self.options.warm_start, index,
+                                                   f"mesh {list(mesh.shape)}")
+                    except AutoparError as exc:
+                        log.info("warm start not usable on mesh %s: %s", list(mesh.shape), exc.message)
             for name in (*BASELINES, *BASELINES_2D) if self.with_baselines else ():
                 found.setdefault(name, {"predicted_step_s": None, "feasible": False,
                                         "reason": "no mesh of this cluster has its shape"})

@@ -1,0 +1,116 @@
+"""Re-planning for a changed cluster (issue 24): a link got slower, a host went away, a device
+kind changed. The new plan is made the usual way (:func:`autopar.planning.choose`, every
+family, the old plan's options) but warm-started — the old plan's mesh solved first, its
+placements the solver's first incumbent there — and it comes with what switching costs:
+the state to move (autopar.planning.migration) and after how many steps the faster step pays
+that back. Whether to switch is the caller's call; the answer says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError, ErrorKind
+from autopar.plan import Plan
+from autopar.planning.costing import recost
+from autopar.planning.migration import Migration, migration
+from autopar.planning.options import PlanOptions
+from autopar.planning.precision import Precision
+from autopar.units import format_bytes, format_seconds
+
+
+@dataclass(frozen=True)
+class Replan:
+    """``plan``: the best plan on the new cluster. ``previous_step_s``: the old plan's step
+    re-costed on the new cluster (None when it cannot run there: other device count, or a
+    plan over device groups). ``migration_bytes`` / ``migration_s``: what the busiest device
+    receives to move from the old placements to the new ones, and its time on the new links
+    (``migration_exact`` False: an upper bound, every device receiving its whole state).
+    ``break_even_steps``: steps after which the switch has paid for itself (0: the old plan
+    cannot run; None: the new plan is no faster). ``switch``: whether switching pays off at
+    all; ``reason`` says why in one sentence; ``replan_s``: the planning time."""
+
+    plan: Plan
+    previous_step_s: float | None
+    migration_bytes: int
+    migration_s: float
+    migration_exact: bool
+    break_even_steps: int | None
+    switch: bool
+    reason: str
+    replan_s: float
+
+    def to_json(self) -> dict:
+        """The answer without the plan (the CLI prints it beside the plan's summary)."""
+        answer = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
+        return answer | {"predicted_step_s": self.plan.predicted_step_s}
+
+
+def options_of(plan: Plan, **overrides) -> PlanOptions:
+    """The options ``plan`` was made with, as far as it records them, and ``overrides``."""
+    recorded = {"optimizer": plan.options.get("optimizer", "adamw"), "overlap": plan.options.get("overlap", True),
+                "mixed_precision": Precision.from_plan(plan.options.get("mixed_precision")),
+                **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers") if k in plan.options}}
+    return PlanOptions(**{**recorded, **overrides})
+
+
+def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
+    """The best plan of ``graphs`` on ``cluster``, warm-started from ``old``, with the cost of
+    switching to it (see :class:`Replan`)."""
+    from autopar.planning import choose
+
+    if graphs.full.fingerprint != old.fingerprint:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"the plan was made for a different graph (fingerprint "
+                           f"{old.fingerprint}, this model captures as {graphs.full.fingerprint}); plan it afresh")
+    start = time.perf_counter()
+    new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old))
+    replan_s = time.perf_counter() - start
+    previous, why_not = _previous_step(graphs, old, cluster, options)
+    moved = _migration(graphs, old, new, cluster, options)
+    saved = None if previous is None else previous - new.predicted_step_s
+    if previous is None:
+        steps, switch = 0, True
+        reason = f"the old plan cannot run on {cluster.describe()} ({why_not}): switch"
+    elif saved <= 1e-9 * previous:
+        steps, switch = None, False
+        reason = (f"the old plan runs {format_seconds(previous)} per step on {cluster.describe()}, the new one "
+                  f"{format_seconds(new.predicted_step_s)}: keep the old plan")
+    else:
+        steps, switch = max(1, math.ceil(moved.seconds / saved)), True
+        reason = (f"the new plan saves {format_seconds(saved)} per step ({format_seconds(previous)} → "
+                  f"{format_seconds(new.predicted_step_s)}); moving {format_bytes(moved.bytes)} per device takes "
+                  f"{format_seconds(moved.seconds)}: it pays off after {steps} step{'s' if steps > 1 else ''}")
+    return Replan(new, previous, moved.bytes, moved.seconds, moved.exact, steps, switch, reason, replan_s)
+
+
+def _previous_step(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> tuple[float | None, str]:
+    """The old plan's step on the new cluster, or None and why it cannot be costed there."""
+    if old.family != "one_mesh":
+        return None, f"a {old.family} plan is tied to the device groups it was made for"
+    if old.num_devices != cluster.num_devices:
+        return None, f"it runs on {old.num_devices} devices, the cluster has {cluster.num_devices}"
+    try:
+        step_s, memory = recost(graphs.full, old, cluster, options.optimizer)
+    except AutoparError as exc:
+        return None, exc.message
+    if memory > cluster.memory_limit_bytes:
+        return None, f"it needs {format_bytes(memory)} per device, {format_bytes(cluster.memory_limit_bytes)} fit"
+    return step_s, ""
+
+
+def _migration(graphs, old: Plan, new: Plan, cluster: Cluster, options: PlanOptions) -> Migration:
+    captured = graphs.full
+    shapes, element_bytes = {}, {}
+    for node in captured.graph.nodes:
+        fqn = captured.parameter_of.get(node.name)
+        if fqn is None or "val" not in node.meta:
+            continue
+        value = node.meta["val"]
+        shapes[fqn] = tuple(value.shape)
+        # mixed precision keeps fp32 masters whatever the graph computes in
+        element_bytes[fqn] = 4 if options.mixed_precision is not None else value.element_size()
+    return migration(old, new, cluster, shapes, element_bytes, options.optimizer_states)

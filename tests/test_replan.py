@@ -59,6 +59,7 @@ def test_replan_from_fsdp_to_the_optimum_prices_the_gather_of_every_weight(tmp_p
     fresh = autopar.plan(model, (x,), cluster="4xH100")
     assert answer.plan.predicted_step_s == pytest.approx(fresh.predicted_step_s, rel=1e-6)
     assert {p.placement for p in answer.plan.parameters.values()} == {"R"}
+    assert answer.plan.baselines == {} and fresh.baselines  # a re-plan costs no hand-written baselines
     assert {p.placement for p in old.parameters.values()} == {"S(0)"}
     state = sum(p.bytes for p in old.parameters.values()) * 3  # fp32 master + AdamW's two moments
     assert answer.migration_bytes == state * 3 // 4 and answer.migration_exact

@@ -96,7 +96,7 @@ def _with_symbolic_costs(plan: Plan, graphs: ModelGraphs, cluster: Cluster) -> P
 def _baselines(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> dict[str, dict]:
     """The hand-written configurations over every device of ``cluster`` as one mesh (what a
     person would write), whichever family won."""
-    if options.configuration is not None:
+    if options.configuration is not None or not options.baselines:
         return {}
     try:
         return mesh_search(graphs, cluster, options).baselines

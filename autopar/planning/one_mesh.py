@@ -132,7 +132,7 @@ class MeshSearch:
         self.captured, self.cluster, self.options = captured, cluster, options
         self.loss_on_outputs = loss_on_outputs
         self.activation_copies = activation_copies
-        self.with_baselines = baselines and options.configuration is None
+        self.with_baselines = baselines and options.baselines and options.configuration is None
         self.start = time.perf_counter()
         if annotate:
             annotate_costs(captured.graph)

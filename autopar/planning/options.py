@@ -57,6 +57,9 @@ class PlanOptions:
     # how many layers ahead the lowered program gathers a sharded weight (FSDP2 prefetches the
     # next layer's: 1); 0 gathers each where it is read, and the cost model exposes those gathers
     prefetch_layers: int = 1
+    # cost the hand-written configurations (DDP, FSDP, Megatron …) beside the plan; a re-plan
+    # skips them: it is asked for the new plan and what switching costs, fast
+    baselines: bool = True
     # a plan of the same model to start from (autopar.replan): its mesh solved first, its
     # placements the solver's first incumbent there (not part of the options' identity)
     warm_start: Any = field(default=None, hash=False, compare=False)

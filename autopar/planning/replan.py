@@ -1,7 +1,8 @@
 """Re-planning for a changed cluster (issue 24): a link got slower, a host went away, a device
 kind changed. The new plan is made the usual way (:func:`autopar.planning.choose`, every
 family, the old plan's options) but warm-started — the old plan's mesh solved first, its
-placements the solver's first incumbent there — and it comes with what switching costs:
+placements the solver's first incumbent there — and without costing the hand-written
+baselines (the new plan lists none); it comes with what switching costs:
 the state to move (autopar.planning.migration) and after how many steps the faster step pays
 that back. Whether to switch is the caller's call; the answer says why.
 """
@@ -67,7 +68,7 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
         raise AutoparError(ErrorKind.BAD_PLAN, f"the plan was made for a different graph (fingerprint "
                            f"{old.fingerprint}, this model captures as {graphs.full.fingerprint}); plan it afresh")
     start = time.perf_counter()
-    new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old))
+    new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old, baselines=False))
     replan_s = time.perf_counter() - start
     previous, why_not = _previous_step(graphs, old, cluster, options)
     moved = _migration(graphs, old, new, cluster, options)

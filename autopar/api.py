@@ -55,9 +55,10 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     ``overlap``: cost each layer's parameter collectives (weight gathers prefetched, gradient
     reductions during backward) as hidden behind its compute, for the fraction the device
     reaches (its ``overlap_efficiency``: 0.9 for GPUs, 0 for the uncalibrated ``cpu``; ``autopar
-    profile`` measures a host); ``False`` adds every collective to the step. ``bucket_cap_mb``:
-    the lowered program all-reduces replicated parameters' gradients in buckets of this many
-    MiB, each as soon as it fills during backward (DistributedDataParallel's default, 25).
+    profile`` measures a host, per collective kind); ``False`` adds every collective to the
+    step. ``bucket_cap_mb``: the lowered program all-reduces replicated parameters' gradients
+    in buckets of this many MiB, each as soon as it fills during backward
+    (DistributedDataParallel's default, 25); each bucket pays one all-reduce's latency.
     ``prefetch_layers``: how many layers ahead it gathers a sharded weight (FSDP2's 1; 0:
     where the weight is read, and those gathers are costed as exposed).
     """
@@ -80,11 +81,11 @@ def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module, example_input
     (the old plan re-costed on the new cluster), ``.migration_bytes`` and ``.migration_s`` (the
     state the busiest device must receive to switch), ``.break_even_steps``, ``.switch`` and
     ``.reason``. Nothing switches by itself: the caller decides."""
-    from autopar.planning import ModelGraphs
-    from autopar.planning.replan import options_of, replan as make_replan
+    from autopar.planning import ModelGraphs, PlanOptions
+    from autopar.planning.replan import replan as make_replan
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
-    options = options_of(plan, solver=solver, time_limit_s=time_limit_s)
+    options = PlanOptions.of_plan(plan, solver=solver, time_limit_s=time_limit_s)
     return make_replan(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), plan, target,
                        options)
 
@@ -102,6 +103,21 @@ def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> P
 
     _check_world(plan)
     return lower_plan(plan, model, loss_fn)
+
+
+def reshard(pmodel: ParallelModule, plan: Plan, *, model: nn.Module | None = None,
+            optimizer: "torch.optim.Optimizer | None" = None):
+    """Switch a running ``pmodel`` to ``plan`` (another one-mesh plan of the same model and
+    world, e.g. :func:`replan`'s answer) without a checkpoint: parameters, buffers and the
+    ``optimizer``'s state move to the new placements (``DTensor.redistribute``), and the new
+    ``ParallelModule`` is returned — with ``optimizer``, ``(pmodel, optimizer)``, the optimizer
+    rebuilt over the new parameters. Call it between steps; every rank alike.
+    ``model``: the module to lower ``plan`` on (a meta one will do; by default a copy of the
+    one ``pmodel`` was lowered from). See :mod:`autopar.planning.move_state`."""
+    from autopar.planning.move_state import reshard as move
+
+    _check_world(plan)
+    return move(pmodel, plan, model, optimizer)
 
 
 def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None" = None, *,

@@ -22,7 +22,7 @@ import dataclasses
 
 import yaml
 
-from autopar.devices import COLLECTIVES, OP_CLASSES, DeviceSpec, Link, check_device_count, get_device
+from autopar.devices import COLLECTIVES, OP_CLASSES, OVERLAP_KINDS, DeviceSpec, Link, check_device_count, get_device
 from autopar.errors import AutoparError, ErrorKind
 
 GB = 10**9
@@ -157,7 +157,9 @@ def _slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
         memory_efficiency=min(d.memory_efficiency for d in devices), aliases=(),
         class_efficiency=_weakest(devices, "class_efficiency"),
         collective_efficiency=_weakest(devices, "collective_efficiency"),
-        overlap_efficiency=min(d.overlap_efficiency for d in devices))
+        overlap_efficiency=min(d.overlap_efficiency for d in devices),
+        collective_overlap=tuple((kind, min(d.overlap(kind) for d in devices))
+                                 for kind in sorted({k for d in devices for k, _ in d.collective_overlap})))
 
 
 def _weakest(devices: list[DeviceSpec], field: str) -> tuple[tuple[str, float], ...]:
@@ -178,7 +180,9 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
     ``op_overhead_us`` is a fixed time per executed op; ``op_class_efficiency`` maps op classes
     (matmul, conv, pool, reduction, elementwise) to the fraction of the roofline they reach;
     ``overlap_efficiency`` (0–1, default 0.9 as the catalog's GPUs) is the fraction of overlappable communication the
-    device hides behind compute (``autopar profile`` measures it)."""
+    device hides behind compute, ``collective_overlap`` the same per collective kind (all_gather,
+    reduce_scatter, all_reduce; −1 to 1, below 0 where overlapping slows the compute more than it
+    hides) — ``autopar profile`` measures both."""
     if not isinstance(section, dict):
         raise _fail(where("devices"), "`devices` must map names to {peak_TFLOPS, memory_GB, memory_bandwidth_GBps}")
     found = {}
@@ -210,7 +214,9 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
                                            key + ("op_class_efficiency",)),
             collective_efficiency=_efficiencies(spec.get("collective_efficiency", {}), COLLECTIVES, where,
                                                 key + ("collective_efficiency",)),
-            overlap_efficiency=_fraction(spec.get("overlap_efficiency", DeviceSpec.overlap_efficiency), where, key + ("overlap_efficiency",)),
+            overlap_efficiency=_fraction(spec.get("overlap_efficiency", DeviceSpec.overlap_efficiency), where,
+                                         key + ("overlap_efficiency",)),
+            collective_overlap=_overlaps(spec.get("collective_overlap", {}), where, key + ("collective_overlap",)),
             source=str(spec.get("source", "defined in the cluster file")))
     return found
 
@@ -224,6 +230,21 @@ def _efficiencies(section, kinds: tuple[str, ...], where, key: tuple) -> tuple[t
         if kind not in kinds:
             raise _fail(where(*key, kind), f"unknown kind {kind!r} in `{key[-1]}`; expected one of {', '.join(kinds)}")
         found.append((kind, _number(value, where, key + (kind,))))
+    return tuple(sorted(found))
+
+
+def _overlaps(section, where, key: tuple) -> tuple[tuple[str, float], ...]:
+    """``{kind: η}`` of a ``collective_overlap`` entry, each η from −1 to 1."""
+    if not isinstance(section, dict):
+        raise _fail(where(*key), f"`{key[-1]}` must map {', '.join(OVERLAP_KINDS)} to overlap efficiencies")
+    found = []
+    for kind, value in section.items():
+        if kind not in OVERLAP_KINDS:
+            raise _fail(where(*key, kind), f"unknown kind {kind!r} in `{key[-1]}`; expected one of "
+                        f"{', '.join(OVERLAP_KINDS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -1 <= value <= 1:
+            raise _fail(where(*key, kind), f"`{kind}` is an overlap efficiency between -1 and 1, got {value!r}")
+        found.append((kind, float(value)))
     return tuple(sorted(found))
 
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from autopar.cluster import Link
 
+# DistributedDataParallel's bucket_cap_mb default: gradients all-reduced in buckets this large
+DDP_BUCKET_BYTES = 25 * 2**20
+
 
 def _symbolic(x) -> bool:
     return type(x).__module__.startswith("sympy")

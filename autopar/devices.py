@@ -21,6 +21,8 @@ TFLOPS = 10**12
 OP_CLASSES = ("matmul", "conv", "pool", "reduction", "elementwise")
 # collective kinds whose library implementation may fall short of autopar.comm's formulas
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# collective kinds the overlap model runs beside compute: prefetched weight gathers, gradient reductions
+OVERLAP_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class DeviceSpec:
     # (benchmarks/gpu_check.py measures it where a GPU is at hand); ``autopar profile``
     # measures what gloo reaches on a host
     overlap_efficiency: float = 0.9
+    # the same per collective kind where measured (all_gather, reduce_scatter, all_reduce; the
+    # rest take overlap_efficiency), from −1 to 1: below 0 overlapping costs more than it hides
+    # (gloo's all-reduce thread taking a core from the compute on a small host)
+    collective_overlap: tuple[tuple[str, float], ...] = ()
     source: str = ""
     aliases: tuple[str, ...] = field(default=())
 
@@ -60,6 +66,10 @@ class DeviceSpec:
         """Fraction of the roofline this device's kernels of ``op_class`` reach (measured by
         ``autopar profile``; 1 for catalog devices, whose efficiency is in the two factors above)."""
         return dict(self.class_efficiency).get(op_class, 1.0)
+
+    def overlap(self, kind: str) -> float:
+        """The overlap efficiency of collectives of ``kind``."""
+        return dict(self.collective_overlap).get(kind, self.overlap_efficiency)
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak for ``dtype`` (e.g. 'float32'), falling back to fp32 for unknown dtypes."""

@@ -20,7 +20,7 @@ from autopar.plan import Plan, atomic_write_text
 from autopar.report import (
     experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line,
     throughput_line)
-from autopar.timeline import exposed_comm_s, overlap_rows, schedule_spans, simulated_step_line
+from autopar.timeline import exposed_comm_s, overlap_rows, overlap_title, schedule_spans, simulated_step_line
 from autopar.units import format_bytes, format_seconds
 
 _COLORS = {"replicated": "#9aa5b1", "sharded": "#2f80ed", "partial": "#f2994a", "no tensor": "#dddddd"}
@@ -154,8 +154,8 @@ def render(plan: Plan) -> str:
     if overlap_rows(plan):
         header = "".join(f"<th>{c}</th>" for c in ("layer", "copies", "fwd compute", "fwd gathers", "bwd compute",
                                                     "bwd reductions", "hidden"))
-        body.append(f"<h3>Communication beside compute, per layer (overlap efficiency "
-                    f"{plan.overlap['efficiency']:g}; times per copy)</h3><table><tr>{header}</tr>"
+        body.append(f"<h3>Communication beside compute, per layer ({html.escape(overlap_title(plan))}; times per "
+                    f"copy)</h3><table><tr>{header}</tr>"
                     + "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                               for row in overlap_rows(plan)) + "</table>")
     if plan.stages:

@@ -46,6 +46,7 @@ def check_plan_types(plan, source: str) -> None:
         _need(plan.recompute_cost, {"rerun_s": _NUMBER, "activations_kept_bytes": _NUMBER}, "recompute_cost", source)
     if plan.overlap:
         _need(plan.overlap, {"efficiency": _NUMBER, "layers": list}, "overlap", source)
+        _need(plan.overlap, {"by_collective": dict}, "overlap", source, optional=True)
         for k, entry in enumerate(plan.overlap["layers"]):
             where = f"overlap.layers[{k}]"
             if not isinstance(entry, dict):
@@ -53,9 +54,11 @@ def check_plan_types(plan, source: str) -> None:
             _need(entry, {"layer": str, "copies": int, "forward": list, "backward": list}, where, source)
             for phase in ("forward", "backward"):
                 times = entry[phase]
-                if len(times) != 2 or not all(isinstance(t, _NUMBER) and not isinstance(t, bool)
-                                              and math.isfinite(t) and t >= 0 for t in times):
-                    _fail(source, f"{where}.{phase}", "[compute seconds, communication seconds]", times)
+                if len(times) not in (2, 3) or not all(isinstance(t, _NUMBER) and not isinstance(t, bool)
+                                                       and math.isfinite(t) and (t >= 0 or k == 2)
+                                                       for k, t in enumerate(times)):
+                    _fail(source, f"{where}.{phase}", "[compute seconds, communication seconds, and that "
+                          "communication weighted by its overlap efficiency]", times)
             if entry["copies"] < 1:
                 _fail(source, f"{where}.copies", "a positive count", entry["copies"])
     for name, node in plan.nodes.items():

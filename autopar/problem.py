@@ -43,8 +43,10 @@ class Edge:
     # Only a parameter's edges are overlappable: its gathers can be prefetched and its gradient
     # reduced while the layer's backward runs, as FSDP2 and DDP do
     group: int = -1
-    # [u][v] the part of ``cost`` paid in forward (the rest in backward); None: all in backward
-    forward_cost: list[list[float | None]] | None = field(default=None, compare=False, repr=False)
+    # [u][v] (forward gathers s, backward re-gathers s, gradient reduction s, the reduction's
+    # collective kind): the parts of ``cost`` that can run beside compute (passes.reshard_cost.Parts;
+    # the rest is on the critical path)
+    parts: list[list[tuple[float, float, float, str] | None]] | None = field(default=None, compare=False, repr=False)
 
     def members(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Strategies of the producer per class u, and of the consumer per class v."""
@@ -84,17 +86,43 @@ class ShardingProblem:
     excluded: frozenset[tuple[int, int]] = frozenset()
     node_count: list[int] | None = None  # identical graph nodes per problem node (None: all 1)
     # Overlap (issue 20): nodes and edges in one overlap group (a layer) share a compute and a
-    # communication stream; the group's step time is max(compute, overlappable communication)
-    # instead of their sum, for the fraction ``overlap_efficiency`` the device reaches.
+    # communication stream. A collective of kind k runs the fraction η_k of its time beside
+    # compute and stalls compute for the rest, so a group's phase takes
+    #     max(C, Σ_k η_k·O_k) + Σ_k (1 − η_k)·O_k  =  C + Σ_k O_k − min(C, Σ_k η_k·O_k)
+    # (η_k < 0: overlapping it slows both streams, as gloo's thread taking a core does).
     node_group: list[int] | None = None  # per node, its group (-1: none)
     node_comm: list[list[float]] | None = None  # per node and strategy, the part of its cost that is
     # communication it makes itself (an expert dispatch, a sparse exchange): exposed, not compute
     node_forward: list[list[float]] | None = None  # per node and strategy, its forward compute (the
     # rest of its compute is backward); None: all of it in one phase
-    overlap_efficiency: float = 0.0
+    overlap_efficiency: float = 0.0  # η of every collective kind not in ``collective_overlap``
+    collective_overlap: tuple[tuple[str, float], ...] = ()  # (kind, η): all_gather, reduce_scatter, all_reduce
     # weight gathers issued ahead of their layer (FSDP2's prefetch): the forward share of a
     # parameter's communication hides behind compute; False: it is exposed (gathered when read)
     prefetch: bool = True
+
+    def eta(self, kind: str) -> float:
+        """The overlap efficiency of collectives of ``kind``."""
+        return dict(self.collective_overlap).get(kind, self.overlap_efficiency)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether any collective kind overlaps (else no group is built)."""
+        return bool(self.overlap_efficiency) or any(eta for _, eta in self.collective_overlap)
+
+    def weighted_parts(self, e: Edge, u: int, v: int) -> tuple[float, float, float, float]:
+        """Edge ``e``'s class pair (u, v), once: (forward overlappable s, backward overlappable
+        s, and each weighted by its collectives' η). Forward is the prefetched gathers (none
+        without ``prefetch``), backward the re-gathers (prefetched likewise) and the gradient's
+        reduction."""
+        part = e.parts[u][v] if e.parts else None
+        if part is None:
+            return 0.0, 0.0, 0.0, 0.0
+        forward, regather, reduction, kind = part
+        if not self.prefetch:
+            forward = regather = 0.0
+        gather = self.eta("all_gather")
+        return forward, regather + reduction, gather * forward, gather * regather + self.eta(kind) * reduction
 
     def count(self, i: int) -> int:
         return 1 if self.node_count is None else self.node_count[i]
@@ -123,23 +151,23 @@ class ShardingProblem:
         """Objective of a full assignment (``inf`` when an edge pair is forbidden): every cost
         summed, less what overlap hides (:meth:`hidden_comm`)."""
         total = self.compute(choice) + self.edge_comm(choice)
-        if not self.overlap_efficiency or total == math.inf:
+        if not self.overlaps or total == math.inf:
             return total
         return total - self.hidden_comm(choice)
 
-    def group_times(self, choice: list[int]) -> dict[tuple[int, str], tuple[float, float]]:
-        """Per overlap group and phase ("forward", "backward"): (its compute, its overlappable
-        communication), every copy of a repeated node or edge counted."""
+    def group_times(self, choice: list[int]) -> dict[tuple[int, str], tuple[float, float, float]]:
+        """Per overlap group and phase ("forward", "backward"): (its compute C, its overlappable
+        communication O, and O weighted by each collective's η), every copy counted."""
         groups = {g for g in self.node_group or () if g >= 0} | {e.group for e in self.edges if e.group >= 0}
-        comm: dict[tuple[int, str], float] = {(g, phase): 0.0 for g in groups for phase in ("forward", "backward")}
+        comm = {(g, phase): [0.0, 0.0] for g in groups for phase in ("forward", "backward")}
         for e in self.edges:
             if e.group >= 0:
-                total = e.count * e.pair_cost(choice[e.src], choice[e.dst])
-                forward = e.count * e.forward_cost[e.src_class[choice[e.src]]][e.dst_class[choice[e.dst]]] \
-                    if e.forward_cost else 0.0
-                hidden_forward = forward if self.prefetch else 0.0  # unprefetched gathers: exposed
-                for phase, part in (("forward", hidden_forward), ("backward", total - forward)):
-                    comm[(e.group, phase)] = comm.get((e.group, phase), 0.0) + part
+                forward, backward, weighted_forward, weighted_backward = self.weighted_parts(
+                    e, e.src_class[choice[e.src]], e.dst_class[choice[e.dst]])
+                for phase, raw, weighted in (("forward", forward, weighted_forward),
+                                             ("backward", backward, weighted_backward)):
+                    comm[(e.group, phase)][0] += e.count * raw
+                    comm[(e.group, phase)][1] += e.count * weighted
         compute = dict.fromkeys(comm, 0.0)
         for i, s in enumerate(choice):
             g = -1 if self.node_group is None else self.node_group[i]
@@ -148,12 +176,12 @@ class ShardingProblem:
                 forward = 0.0 if self.node_forward is None else self.node_forward[i][s]
                 compute[(g, "forward")] += self.count(i) * forward
                 compute[(g, "backward")] += self.count(i) * (self.node_costs[i][s] - own - forward)
-        return {key: (compute[key], comm[key]) for key in comm}
+        return {key: (compute[key], *comm[key]) for key in comm}
 
     def hidden_comm(self, choice: list[int]) -> float:
-        """Communication overlap hides: η·min(compute, overlappable communication) per group
-        and phase (its time is (1−η)·(C+O) + η·max(C, O) = C + O − η·min(C, O))."""
-        return self.overlap_efficiency * sum(_least(c, o) for c, o in self.group_times(choice).values())
+        """Communication overlap hides: min(C, Σ_k η_k·O_k) per group and phase (negative where
+        overlapping costs more than it hides)."""
+        return sum(_least(c, w) for c, _, w in self.group_times(choice).values())
 
     def min_memory(self) -> int:
         """Memory of the least memory-hungry strategy of every node (a lower bound)."""

@@ -2,7 +2,9 @@
 
 Short micro-benchmarks, each the median of a few repeats: a plan's prediction stands for a
 typical step, so every figure is a typical one (the best of a few repeats, tried before, ran
-10–20 % faster than the same kernels inside a step on this shared 2-core machine):
+10–20 % faster than the same kernels inside a step on this shared 2-core machine), and the
+kernels are timed in all ``world`` processes at once, as a step runs them (alone, one
+process's matmuls ran up to twice as fast as beside the other's):
   * matmul throughput per dtype: ``2·n³`` FLOPs of an ``n × n`` matmul over its time;
   * memory bandwidth: a large tensor copy reads and writes its bytes;
   * the fraction of that roofline each op class reaches (conv, pool, reduction, elementwise;
@@ -15,7 +17,9 @@ typical step, so every figure is a typical one (the best of a few repeats, tried
     (α, β) (gloo runs a reduce-scatter as an all-reduce, an all-to-all as an all-gather);
   * the fixed cost of each executed op (DTensor dispatch, autograd, hooks), which dominates
     small ops on CPU: fitted on the measured training step of a small model
-    (:func:`_calibrated_op_overhead`).
+    (:func:`_calibrated_op_overhead`);
+  * per collective kind, the fraction of it hidden behind compute issued while it runs
+    (:func:`collective_overlap`).
 
 The file defines the measured device under ``devices:`` (efficiency 1: these are achieved
 rates, not datasheet peaks) and one node of ``world`` such devices.
@@ -31,12 +35,14 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from autopar.devices import OVERLAP_KINDS
 from autopar.plan import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -136,39 +142,62 @@ def _collective_times(world: int, sizes: list[int], repeats: int) -> dict[str, l
     return times
 
 
-def overlap_efficiency(nbytes: int = 2**22, repeats: int = 5, trials: int = 3) -> float:
-    """The fraction of an all-reduce this host hides behind compute issued while it runs, as
-    the lowered program issues gradient buckets (``async_op=True``, then matmuls, then
-    ``wait``): (t_compute + t_all_reduce − t_both) / min(t_compute, t_all_reduce), the compute
-    sized to take about as long as the all-reduce; clipped to [0, 1]. The least of ``trials``
-    measurements: on a small host the figure swings with what else runs (0.0 and 0.48 in two
-    runs on a 2-vCPU VM), and the planner should count only on what it reliably gets. Called
-    on every rank of the group alike (the collectives must match); each returns its own."""
-    return min(_overlap_trial(nbytes, repeats) for _ in range(trials))
+def collective_overlap(nbytes: int = 2**22, repeats: int = 5, trials: int = 7) -> dict[str, float]:
+    """Per collective kind the overlap model runs beside compute (devices.OVERLAP_KINDS), the
+    fraction of it this host hides behind compute issued while it runs, as the lowered
+    program issues prefetched gathers and gradient buckets (``async_op=True``, then matmuls,
+    then ``wait``): (t_compute + t_collective − t_both) / min(t_compute, t_collective), the
+    compute sized to take about as long as the collective; clipped to [−1, 1] (below 0 the
+    pair took longer than the two one after the other). The median of ``trials``: on a small
+    host a trial swings by ±0.3 (on a 2-vCPU VM gloo's thread and the compute share the two
+    cores; one all-reduce trial gave −1.48 beside −0.03 and −0.04). Called on every rank of
+    the group alike (the collectives must match); each returns its own."""
+    return {kind: statistics.median(_overlap_trial(kind, nbytes, repeats) for _ in range(trials))
+            for kind in OVERLAP_KINDS}
 
 
-def _overlap_trial(nbytes: int, repeats: int) -> float:
-    flat, a = torch.ones(nbytes // 4), torch.randn(256, 256)
-    reduce_s = _median_time(lambda: dist.all_reduce(flat), repeats, before=dist.barrier)
-    matmul_s = _median_time(lambda: a @ a, repeats)
-    count = max(1, round(reduce_s / matmul_s))
-    counts = torch.tensor([count])
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the same work on every rank
-    count = int(counts)
+def _overlap_trial(kind: str, nbytes: int, repeats: int) -> float:
+    world = dist.get_world_size()
+    flat, a = torch.ones(nbytes // 4 // world * world), torch.randn(256, 256)
+    gathered, shard = torch.empty(flat.numel() * world), torch.empty(flat.numel() // world)
 
-    def compute():
-        for _ in range(count):
-            a @ a
+    def collective(async_op: bool = False):
+        if kind == "all_gather":
+            return dist.all_gather_into_tensor(gathered, flat, async_op=async_op)
+        if kind == "reduce_scatter":
+            return dist.reduce_scatter_tensor(shard, flat, async_op=async_op)
+        return dist.all_reduce(flat, async_op=async_op)
 
-    def both():
-        work = dist.all_reduce(flat, async_op=True)
-        compute()
-        work.wait()
+    with warnings.catch_warnings():  # the *_tensor names are the ones every torch release has
+        warnings.simplefilter("ignore", FutureWarning)
+        alone_s = _median_time(collective, repeats, before=dist.barrier)
+        matmul_s = _median_time(lambda: a @ a, repeats)
+        count = max(1, round(alone_s / matmul_s))
+        counts = torch.tensor([count])
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the same work on every rank
+        count = int(counts)
 
-    compute_s = _median_time(compute, repeats, before=dist.barrier)
-    both_s = _median_time(both, repeats, before=dist.barrier)
-    hidden = compute_s + reduce_s - both_s
-    return min(1.0, max(0.0, hidden / min(compute_s, reduce_s)))
+        def compute():
+            for _ in range(count):
+                a @ a
+
+        def both():
+            work = collective(async_op=True)
+            compute()
+            work.wait()
+
+        compute_s = _median_time(compute, repeats, before=dist.barrier)
+        both_s = _median_time(both, repeats, before=dist.barrier)
+    hidden = compute_s + alone_s - both_s
+    return min(1.0, max(-1.0, hidden / min(compute_s, alone_s)))
+
+
+def overlap_entries(overlap: dict[str, float]) -> dict:
+    """A cluster file's overlap keys for measured per-kind figures: ``collective_overlap``, and
+    ``overlap_efficiency`` (for kinds not listed) the least of them, never below 0."""
+    if not overlap:
+        return {"overlap_efficiency": 0.0}
+    return {"overlap_efficiency": max(0.0, min(overlap.values())), "collective_overlap": dict(overlap)}
 
 
 def _side(nbytes: int, world: int) -> int:
@@ -184,24 +213,29 @@ def _link_entry(link: dict, device: dict) -> dict:
 
 
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
-                       device: dict, out: str) -> None:
+                       device: dict | None, name: str, quick: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        if device is None:  # every rank measures at once: a device's kernels run beside the others' in a step
+            dist.barrier()
+            box = [_device_entry(name, world, quick)]
+            dist.broadcast_object_list(box, src=0)
+            device = box[0]
         times = _collective_times(world, sizes, repeats)
         box = [fit_collectives([4 * _side(b, world) ** 2 for b in sizes], times, world)]
         dist.broadcast_object_list(box, src=0)  # every rank calibrates with rank 0's link figures
         link = box[0]
-        box = [round(overlap_efficiency(max(sizes), repeats), 3)]
+        box = [{kind: round(eta, 3) for kind, eta in collective_overlap(max(sizes), repeats).items()}]
         dist.broadcast_object_list(box, src=0)
         overlap = box[0]
         device = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"],
-                      overlap_efficiency=overlap)
+                      **overlap_entries(overlap))
         overhead = _calibrated_op_overhead(device, world, repeats)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(repr((link, overhead, overlap)))
+                f.write(repr((link, overhead, overlap, {k: v for k, v in device.items() if k in _DEVICE_KEYS})))
     finally:
         dist.destroy_process_group()
     # Device meshes still hold gloo groups; freeing them while the interpreter finalises aborts now
@@ -264,22 +298,24 @@ def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
 
 
 def collective_link(world: int = 2, sizes: tuple[int, ...] = (2**10, 2**16, 2**20, 2**22, 2**24),
-                    repeats: int = 5, device: dict | None = None) -> tuple[dict, float, float]:
+                    repeats: int = 5, device: dict | None = None, name: str = "cpu-local",
+                    quick: bool = True) -> tuple[dict, float, dict[str, float], dict]:
     """The link between ``world`` local gloo processes (:func:`fit_collectives`), the
     per-op cost there (seconds) calibrated on a step of a small model on ``device`` (a
-    cluster file's device entry with its ``name``; measured here when not given), and the
-    fraction of communication the host hides behind compute (:func:`overlap_efficiency`)."""
-    if device is None:
-        device = _device_entry("cpu-local", world, quick=True)
+    cluster file's device entry with its ``name``), the fraction of each collective kind the
+    host hides behind compute (:func:`collective_overlap`), and the device entry. Without
+    ``device`` its kernels are measured in every process at once, as a training step runs
+    them: on a small host the processes share caches and memory bandwidth, and a matmul
+    alone runs up to twice as fast as beside the others."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times")
-        _run_workers(_collective_worker, world, (world, port, list(sizes), repeats, device, out))
+        _run_workers(_collective_worker, world, (world, port, list(sizes), repeats, device, name, quick, out))
         with open(out) as f:
-            link, overhead, overlap = eval(f.read(), {})  # figures we wrote ourselves
-    return link, overhead, overlap
+            link, overhead, overlap, measured = eval(f.read(), {})  # figures we wrote ourselves
+    return link, overhead, overlap, measured
 
 
 def _run_workers(worker, world: int, args: tuple) -> None:
@@ -324,6 +360,9 @@ def fit_ring(sizes: list[int], times: list[float], n: int) -> tuple[float, float
     return 1.0 / slope, intercept / (2 * (n - 1))
 
 
+_DEVICE_KEYS = ("name", "peak_TFLOPS", "memory_GB", "memory_bandwidth_GBps", "op_class_efficiency")
+
+
 def _device_entry(name: str, world: int, quick: bool) -> dict:
     """Kernel rates of one device (one process's share of the cores), as a cluster file entry."""
     repeats = 2 if quick else 5
@@ -345,10 +384,12 @@ def _device_entry(name: str, world: int, quick: bool) -> dict:
 def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False) -> dict:
     """Measure, and return the cluster file's content as a mapping."""
     repeats = 2 if quick else 5
-    device = _device_entry(name, world, quick)
     sizes = (2**10, 2**20, 2**22) if quick else (2**10, 2**16, 2**20, 2**22, 2**24)
-    link, overhead, overlap = collective_link(world, sizes, repeats, device) if world > 1 \
-        else ({"bandwidth_Bps": 2 * GB, "latency_s": 50e-6, "efficiency": {}}, 0.0, 0.0)
+    if world > 1:
+        link, overhead, overlap, device = collective_link(world, sizes, repeats, name=name, quick=quick)
+    else:
+        link, overhead, overlap = {"bandwidth_Bps": 2 * GB, "latency_s": 50e-6, "efficiency": {}}, 0.0, {}
+        device = _device_entry(name, world, quick)
     device.pop("name")
     return {
         "devices": {name: {
@@ -356,7 +397,7 @@ def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False
             "intra_node": _link_entry(link, device),
             "collective_efficiency": link["efficiency"],
             "op_overhead_us": round(overhead * 1e6, 2),
-            "overlap_efficiency": overlap,
+            **overlap_entries(overlap),
             "source": f"autopar profile on {socket.gethostname()}, {time.strftime('%Y-%m-%d')}, "
                       f"{max(1, (os.cpu_count() or 1) // world)} threads per device",
         }},

@@ -89,24 +89,43 @@ def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
     return rows
 
 
+def phase_times(plan: Plan, entry: dict, phase: str) -> tuple[float, float, float]:
+    """An overlap layer entry's phase, over all its copies: (compute, overlappable communication,
+    what overlap hides: min(compute, the communication weighted by its kinds' η), negative
+    where overlapping costs more than it hides). Plans made before per-kind η record two
+    figures: their hidden share is η·min(compute, communication)."""
+    times = entry[phase]
+    if len(times) == 3:
+        compute, comm, weighted = times
+        return compute, comm, min(compute, weighted)
+    compute, comm = times
+    return compute, comm, plan.overlap.get("efficiency", 0.0) * min(compute, comm)
+
+
 def overlap_rows(plan: Plan) -> list[list[str]]:
     """Per layer group with overlappable communication: layer, copies, then forward and
     backward compute and communication per copy, and what overlap hid over all copies."""
-    eta = plan.overlap.get("efficiency", 0.0)
     rows = []
     for entry in plan.overlap.get("layers", ()):
-        (cf, of), (cb, ob) = entry["forward"], entry["backward"]
+        (cf, of, hf), (cb, ob, hb) = phase_times(plan, entry, "forward"), phase_times(plan, entry, "backward")
         if of or ob:
             n = entry["copies"]
-            hidden = eta * (min(cf, of) + min(cb, ob))
             rows.append([entry["layer"] or "(outside layers)", str(n),
-                         *(format_seconds(t / n) for t in (cf, of, cb, ob)), format_seconds(hidden)])
+                         *(format_seconds(t / n) for t in (cf, of, cb, ob)), format_seconds(hf + hb)])
     return rows
 
 
+def overlap_title(plan: Plan) -> str:
+    """The overlap efficiency the plan was costed with, per collective kind where measured."""
+    kinds = plan.overlap.get("by_collective")
+    if kinds:
+        return "overlap efficiency " + ", ".join(f"{kind} {eta:g}" for kind, eta in sorted(kinds.items()))
+    return f"overlap efficiency {plan.overlap.get('efficiency', 0.0):g}"
+
+
 def overlap_table(plan: Plan) -> Table:
-    table = Table(title=f"communication beside compute, per layer (overlap efficiency "
-                        f"{plan.overlap.get('efficiency', 0.0):g}; times per copy, hidden over all copies)")
+    table = Table(title=f"communication beside compute, per layer ({overlap_title(plan)}; times per copy, "
+                        f"hidden over all copies)")
     for column in ("layer", "copies", "fwd compute", "fwd gathers", "bwd compute", "bwd reductions", "hidden"):
         table.add_column(column, justify="left" if column == "layer" else "right")
     for row in overlap_rows(plan):

@@ -21,7 +21,7 @@ import re
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan, atomic_write_text, layer_of_path
-from autopar.timeline import schedule_spans
+from autopar.timeline import phase_times, schedule_spans
 
 _US = 1e6  # trace timestamps are in microseconds
 
@@ -47,7 +47,6 @@ def write_trace(plan: Plan, path: str) -> None:
 def _one_mesh_events(plan: Plan) -> list[dict]:
     devices = f"all {plan.num_devices} devices (mesh {list(plan.mesh_shape)})"
     events = _names(0, devices, ("compute", "communication"))
-    eta = plan.overlap["efficiency"]
     layers = [entry for entry in plan.overlap["layers"] if any(entry["forward"]) or any(entry["backward"])]
     ops: dict[str, list[tuple[str, float, str]]] = {}  # layer -> its ops with a cost, in graph order
     for name, node in sorted(plan.nodes.items(), key=lambda item: item[1].position):
@@ -57,10 +56,10 @@ def _one_mesh_events(plan: Plan) -> list[dict]:
     for phase, order in (("forward", layers), ("backward", layers[::-1])):
         for entry in order:
             copies = entry["copies"]
-            compute, comm = (t / copies for t in entry[phase])
+            compute, comm, hidden = (t / copies for t in phase_times(plan, entry, phase))
             names = _copy_names(entry["layer"] or "outside layers", copies)
-            length = compute + comm - eta * min(compute, comm)
-            # the longer stream is slowed by the share (1 − η) of the shorter one it could not hide
+            length = compute + comm - hidden
+            # the longer stream is slowed by what of the shorter one overlap could not hide
             slowed = {"phase": phase, "slowed_by_the_other_stream_s": length - max(compute, comm)}
             for name in (names if phase == "forward" else names[::-1]):
                 if compute:
@@ -121,5 +120,8 @@ def _names(pid: int, process: str, threads: tuple[str, ...]) -> list[dict]:
 
 
 def _span(name: str, start_s: float, duration_s: float, pid: int, tid: int, args: dict) -> dict:
-    return {"name": name, "ph": "X", "ts": start_s * _US, "dur": duration_s * _US, "pid": pid, "tid": tid,
+    # the duration as the difference of the microsecond ends: a span that starts where another
+    # ends starts exactly there, not a rounding error inside it
+    start = start_s * _US
+    return {"name": name, "ph": "X", "ts": start, "dur": (start_s + duration_s) * _US - start, "pid": pid, "tid": tid,
             "args": args}

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar import placements as pl
-from autopar.comm import all_to_all_s
+from autopar.comm import DDP_BUCKET_BYTES, all_to_all_s
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
 from autopar.problem import Edge, ShardingProblem
@@ -39,7 +39,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
-from autopar.passes.reshard_cost import reshard_forward_s, reshard_s, unit_links
+from autopar.passes.reshard_cost import Parts, reshard_parts, unit_links
 from autopar.passes.node_memory import (
     ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
 from autopar.passes.sparse import (
@@ -81,7 +81,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                   optimizer: str = "adamw", repeated: dict[str, str] | None = None, activation_copies: int = 1,
                   symbolic: bool = False, tables_whole: bool = False,
                   recompute: str | None = None, zero: bool = True,
-                  loss_on_outputs: bool = False, overlap_efficiency: float = 0.0, prefetch: bool = True
+                  loss_on_outputs: bool = False, overlap_efficiency: float = 0.0, prefetch: bool = True,
+                  collective_overlap: tuple[tuple[str, float], ...] = (), bucket_bytes: int = DDP_BUCKET_BYTES
                   ) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
@@ -102,12 +103,14 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
     their batch dim (dim 0) where the work was, and the loss's fp32 copies of them are counted
     (passes.node_memory.loss_bytes); else they are gathered whole and nothing is counted for them
-    (a pipeline stage sends them on). ``overlap_efficiency`` (η > 0): each layer (the nodes
-    outside every layer: one more group) is an overlap group — its parameters' collectives
-    (weight gathers, prefetched one layer ahead as FSDP2 does, and gradient reductions, issued
-    during backward as DDP's buckets are) hide behind its compute for the fraction η
-    (autopar.problem, solvers.formulation); every other collective stays on the critical path.
-    Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed."""
+    (a pipeline stage sends them on). ``overlap_efficiency`` and ``collective_overlap`` (η per
+    collective kind, any ≠ 0): each layer (the nodes outside every layer: one more group) is an
+    overlap group — its parameters' collectives (weight gathers, prefetched one layer ahead as
+    FSDP2 does, and gradient reductions, issued during backward as DDP's buckets are) run beside
+    its compute for the fraction η of their kind (autopar.problem, solvers.formulation); every
+    other collective (a freed weight's backward re-gather too) stays on the critical path.
+    Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed.
+    ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -212,6 +215,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     fallback.append(False)
 
     weights = _parameter_views(graph, captured)
+    overlaps = bool(overlap_efficiency) or any(eta for _, eta in collective_overlap)
     edges: list[Edge] = []
     edge_at: dict[tuple, int] = {}  # identical graph edges (same representatives) -> one problem edge
     edge_of: dict[tuple[str, str, int], int] = {}
@@ -234,7 +238,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                                    follow=consumer is not None and _follows(consumer, a),
                                    sync_nbytes=_master_grad_bytes(captured, producer, out_index, nbytes)
                                    if key[5] else None,
-                                   group=node_group[j] if key[5] and overlap_efficiency else -1))
+                                   group=node_group[j] if key[5] and overlaps else -1,
+                                   bucket_bytes=bucket_bytes))
             else:
                 k = edge_at[key]
                 edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
@@ -242,7 +247,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
 
     problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts,
                               node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
-                              overlap_efficiency=overlap_efficiency, prefetch=prefetch)
+                              overlap_efficiency=overlap_efficiency, collective_overlap=collective_overlap,
+                              prefetch=prefetch)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
                                  kept_without_recompute, rerun_s, list(group_of))
 
@@ -397,7 +403,7 @@ def _tensor_index(node: torch.fx.Node, out_index: int) -> int:
 
 
 def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False,
-          sync_nbytes=None, group: int = -1) -> Edge:
+          sync_nbytes=None, group: int = -1, bucket_bytes: int = DDP_BUCKET_BYTES) -> Edge:
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
@@ -408,9 +414,13 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
     dst_classes = sorted(set(dst_keys))
     accepted = {v for v, _ in dst_classes}
 
-    def time(u: tuple, v: pl.Spec, split: tuple[bool, ...], on: MeshSpec) -> float | None:
+    def parts(u: tuple, v: pl.Spec, split: tuple[bool, ...], on: MeshSpec) -> Parts | None:
         state = u[1] if u[1] != u[0] else None
-        return reshard_s(u[0], v, split, nbytes, needs_grad, on, regather, sync_nbytes, state)
+        return reshard_parts(u[0], v, split, nbytes, needs_grad, on, regather, sync_nbytes, state, bucket_bytes)
+
+    def time(u: tuple, v: pl.Spec, split: tuple[bool, ...], on: MeshSpec) -> float | None:
+        found = parts(u, v, split, on)
+        return None if found is None else found.total
 
     cost = [[None if follow and u[0] in accepted and v != u[0] else time(u, v, split, mesh)
              for (v, split) in dst_classes] for u in src_classes]
@@ -419,12 +429,12 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], unit_links(mesh)) or 0.0
     def unrestricted(u: int, v: int) -> float | None:
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], mesh)
-    forward = None
-    if group >= 0:  # overlappable: what of it the forward pays (passes.reshard_cost.reshard_forward_s)
-        forward = [[None if c is None else reshard_forward_s(u[0], v, nbytes, mesh, u[1] if u[1] != u[0] else None)
-                    for c, (v, _) in zip(row, dst_classes)] for row, u in zip(cost, src_classes)]
+    overlappable = None
+    if group >= 0:  # what of it can run beside compute (passes.reshard_cost.Parts)
+        overlappable = [[None if c is None else tuple(parts(u, v, split, mesh)[1:]) for c, (v, split) in
+                         zip(row, dst_classes)] for row, u in zip(cost, src_classes)]
     return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
-                volume=volume, unrestricted=unrestricted if follow else None, group=group, forward_cost=forward)
+                volume=volume, unrestricted=unrestricted if follow else None, group=group, parts=overlappable)
 
 
 def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],

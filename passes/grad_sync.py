@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 
-DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+from autopar.comm import DDP_BUCKET_BYTES
+
 
 
 def sync_grad(param: nn.Parameter) -> None:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
 from autopar import placements as pl
+from autopar.comm import DDP_BUCKET_BYTES
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
@@ -48,7 +49,7 @@ from autopar.passes.materialize import check_initialisable, materialized, on_met
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
-from autopar.passes.grad_sync import DDP_BUCKET_BYTES, GradientSync
+from autopar.passes.grad_sync import GradientSync
 from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE

@@ -111,26 +111,25 @@ class Formulation:
         self.objective_coeffs: list[float] = []
         for i, costs in enumerate(problem.node_costs):
             self._cost(self.x[i], [problem.count(i) * c for c in costs])
-        eta = problem.overlap_efficiency
-        comm: dict[tuple[int, str], tuple[list[int], list[float]]] = {}  # (group, phase) -> edge terms
+        comm: dict[tuple[int, str], tuple[list[int], list[float]]] = {}  # (group, phase) -> weighted edge terms
         for k, e in enumerate(problem.edges):
             src_members, dst_members = e.members()
+            weighted = _weighted(problem, e) if problem.overlaps and e.group >= 0 else None
             if _folded(src_members, dst_members):
                 variables, costs = self._folded_costs(e, src_members, dst_members, e.cost)
-                forward = self._folded_costs(e, src_members, dst_members, e.forward_cost)[1] if e.forward_cost else None
+                sides = [self._folded_costs(e, src_members, dst_members, w)[1] for w in weighted or ()]
             else:
                 self._first_y[k] = self.num_variables
                 pairs = self._pairs(k, e, src_members, dst_members)
                 self.num_y += len(pairs)
                 variables, costs = [y for _, _, y, _ in pairs], [e.count * cost for *_, cost in pairs]
-                forward = [e.count * e.forward_cost[u][v] for u, v, _, _ in pairs] if e.forward_cost else None
+                sides = [[e.count * w[u][v] for u, v, _, _ in pairs] for w in weighted or ()]
             self._cost(variables, costs)
-            if eta and e.group >= 0:
-                for var, c, f in zip(variables, costs, forward or [0.0] * len(costs)):
+            for phase, terms in zip(("forward", "backward"), sides):
+                for var, c, w in zip(variables, costs, terms):
                     if c is not None:
-                        _term(comm, (e.group, "forward"), var, f if problem.prefetch else 0.0)
-                        _term(comm, (e.group, "backward"), var, c - f)
-        # overlap: (group, phase, z, compute terms, communication terms), each term n·seconds
+                        _term(comm, (e.group, phase), var, w)
+        # overlap: (group, phase, z, compute terms, weighted communication terms), each n·seconds
         self.overlap_groups: list[tuple[int, str, int, tuple[list[int], list[float]],
                                         tuple[list[int], list[float]]]] = []
         compute: dict[tuple[int, str], tuple[list[int], list[float]]] = {}
@@ -150,7 +149,7 @@ class Formulation:
             self.overlap_groups.append((g, phase, z, *sides))
             self._cost([z], [1.0])
             for variables, costs in sides:
-                self._cost(variables, [-eta * c for c in costs])
+                self._cost(variables, [-c for c in costs])
 
     @property
     def num_variables(self) -> int:
@@ -207,12 +206,11 @@ class Formulation:
             yield Row("memory", variables, coeffs, float("-inf"), p.memory_limit_bytes, unit=float(1 << 30))
 
     def overlap(self) -> Iterator[Row]:
-        """overlap_compute[g,phase] and overlap_comm[g,phase]: z ≥ η·C and z ≥ η·O."""
-        eta = self.problem.overlap_efficiency
+        """overlap_compute[g,phase] and overlap_comm[g,phase]: z ≥ C and z ≥ W."""
         for g, phase, z, *sides in self.overlap_groups:
             for family, (variables, costs) in zip(("overlap_compute", "overlap_comm"), sides):
-                yield Row(f"{family}[{g},{phase}]", [z, *variables], [1.0, *(-eta * c for c in costs)], 0,
-                          float("inf"), seconds=True)
+                yield Row(f"{family}[{g},{phase}]", [z, *variables], [1.0, *(-c for c in costs)], 0, float("inf"),
+                          seconds=True)
 
     def fixed(self, fixed: dict[int, int]) -> Iterator[Row]:
         for i, s in fixed.items():
@@ -261,6 +259,15 @@ def _term(terms: dict, key, var: int, coeff: float) -> None:
         variables, coeffs = terms.setdefault(key, ([], []))
         variables.append(var)
         coeffs.append(coeff)
+
+
+def _weighted(problem: ShardingProblem, e: Edge) -> tuple[list[list[float | None]], list[list[float | None]]]:
+    """Edge ``e``'s η-weighted overlappable seconds per class pair, forward and backward
+    (ShardingProblem.weighted_parts; None where the pair is forbidden)."""
+    rows = range(len(e.cost))
+    parts = [[None if c is None else problem.weighted_parts(e, u, v)[2:] for v, c in enumerate(e.cost[u])]
+             for u in rows]
+    return tuple([[None if p is None else p[phase] for p in parts[u]] for u in rows] for phase in (0, 1))
 
 
 def _folded(src_members: dict, dst_members: dict) -> bool:

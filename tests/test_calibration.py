@@ -80,13 +80,18 @@ def test_cluster_file_carries_measured_efficiencies(tmp_path):
 
 
 def test_only_all_reduced_gradients_are_bucketed():
-    """A replicated parameter's partial gradient joins the flat all-reduce (no latency); a sharded
-    parameter's reduce-scatter and its backward re-gather pay one latency each."""
+    """A replicated parameter's partial gradient joins the gradient buckets: it pays the share
+    of a bucket's latency its bytes take; a sharded parameter's reduce-scatter and its backward
+    re-gather pay one latency each."""
     link = Link(1e9, 1e-3)
     mesh = MeshSpec((2,), ("dp",), (link,))
     nbytes = 4 * 10**6
-    replicated = reshard_s((R,), (R,), (True,), nbytes, True, mesh, True)
-    assert replicated == pytest.approx(comm.all_reduce_s(nbytes, 2, Link(1e9, 0.0)))
+    for bucket_bytes in (8 * 10**6, 25 * 2**20):  # half a bucket; DDP's 25 MiB
+        replicated = reshard_s((R,), (R,), (True,), nbytes, True, mesh, True, bucket_bytes=bucket_bytes)
+        share = Link(1e9, 1e-3 * nbytes / bucket_bytes)
+        assert replicated == pytest.approx(comm.all_reduce_s(nbytes, 2, share))
+    alone = reshard_s((R,), (R,), (True,), nbytes, True, mesh, True, bucket_bytes=nbytes // 2)  # over a bucket
+    assert alone == pytest.approx(comm.all_reduce_s(nbytes, 2, link))
     sharded = reshard_s((Shard(0),), (R,), (True,), nbytes, True, mesh, True)
     gather = comm.all_gather_s(nbytes, 2, link)
     assert sharded == pytest.approx(2 * gather + comm.reduce_scatter_s(nbytes, 2, link))

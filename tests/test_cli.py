@@ -145,8 +145,12 @@ def test_profile_writes_a_cluster_file_the_planner_accepts(tmp_path):
     assert cluster.num_devices == 2 and cluster.device.name == "cpu-local"
     assert cluster.device.flops_per_s("float32") > 1e8 and cluster.device.memory_bandwidth_Bps > 1e8
     assert 0 < cluster.intra_link.bandwidth_Bps <= cluster.device.memory_bandwidth_Bps
-    # measured, not assumed: what gloo hides of an all-reduce behind matmuls on this host
+    # measured, not assumed: what gloo hides of each collective kind behind matmuls on this host
     assert "overlap_efficiency" in out.read_text() and 0.0 <= cluster.device.overlap_efficiency <= 1.0
+    kinds = dict(cluster.device.collective_overlap)
+    assert sorted(kinds) == ["all_gather", "all_reduce", "reduce_scatter"]
+    assert all(-1.0 <= eta <= 1.0 for eta in kinds.values())
+    assert cluster.device.overlap_efficiency == max(0.0, min(kinds.values()))
     planned = autopar("plan", "models:tiny_mlp", "--cluster", str(out), "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["devices"] == 2

@@ -30,7 +30,7 @@ class ResidualMLP(nn.Module):
 def _group_problem(efficiency: float, comm_s: float) -> ShardingProblem:
     """A parameter feeding one op of group 0 (compute 10 s, 1 s of it the op's own exchange),
     its edge ``comm_s`` of overlappable communication."""
-    edge = Edge(0, 1, [0], [0], [[comm_s]], group=0)
+    edge = Edge(0, 1, [0], [0], [[comm_s]], group=0, parts=[[(0.0, 0.0, comm_s, "all_reduce")]])
     return ShardingProblem(["w", "op"], [[0.0], [10.0]], [[0], [0]], [edge], 1, node_group=[-1, 0],
                            node_comm=[[0.0], [1.0]], overlap_efficiency=efficiency)
 
@@ -49,11 +49,11 @@ def test_a_group_costs_its_compute_and_communication_overlapped(efficiency, comm
     assert solution.bound_s == pytest.approx(step_s, rel=1e-6)
 
 
-def _plan(batch: int, overlap: bool, **kwargs):
+def _plan(batch: int, overlap: bool, width: int = 4096, **kwargs):
     with torch.device("meta"):
-        model, x = ResidualMLP(4096, 4), torch.randn(batch, 4096)
-    return autopar.plan(model, (x,), cluster=kwargs.pop("cluster", "4xH100"), mesh_shape=(4,), overlap=overlap,
-                        **kwargs)
+        model, x = ResidualMLP(width, 4), torch.randn(batch, width)
+    return autopar.plan(model, (x,), cluster=kwargs.pop("cluster", "4xH100"), mesh_shape=kwargs.pop("mesh_shape", (4,)),
+                        overlap=overlap, **kwargs)
 
 
 def _weights(plan) -> dict[str, str]:
@@ -109,6 +109,78 @@ def test_overlap_efficiency_comes_from_the_cluster_file():
     assert parse_cluster(device(None))["device"].overlap_efficiency == 0.9  # as the catalog's GPUs
     with pytest.raises(AutoparError, match="overlap_efficiency.*fraction between 0 and 1"):
         parse_cluster(device(1.5))
+    measured = device(0.0)
+    measured["devices"]["host"]["collective_overlap"] = {"all_gather": 0.5, "all_reduce": -0.25}
+    host = parse_cluster(measured)["device"]
+    assert (host.overlap("all_gather"), host.overlap("all_reduce"), host.overlap("reduce_scatter")) == (0.5, -0.25, 0.0)
+    measured["devices"]["host"]["collective_overlap"] = {"all_to_all": 0.5}
+    with pytest.raises(AutoparError, match="unknown kind 'all_to_all' in `collective_overlap`"):
+        parse_cluster(measured)
+    measured["devices"]["host"]["collective_overlap"] = {"all_reduce": -1.5}
+    with pytest.raises(AutoparError, match="`all_reduce` is an overlap efficiency between -1 and 1"):
+        parse_cluster(measured)
+
+
+def _host_cluster(tmp_path, overlap: dict[str, float], latency_us: float = 0.0) -> str:
+    """A 2-device cluster file of slow hosts whose collectives overlap as ``overlap`` says."""
+    import yaml
+
+    spec = {"peak_TFLOPS": {"fp32": 0.1}, "memory_GB": 16, "memory_bandwidth_GBps": 10,
+            "intra_node": {"bandwidth_GBps": 1.0, "latency_us": latency_us},
+            "overlap_efficiency": 0.0, "collective_overlap": overlap}
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml.safe_dump({"devices": {"host": spec}, "device": "host", "nodes": 1, "per_node": 2}))
+    return str(path)
+
+
+def test_each_collective_kind_overlaps_as_measured(tmp_path):
+    """gloo on a small host (``autopar profile``): gathers and reduce-scatters hide about half
+    their time behind compute, all-reduces nothing, and issued beside compute they may slow
+    it. The model predicts both directions the benchmark measures: FSDP (prefetched gathers,
+    reduce-scattered gradients) gets faster with overlap, DDP (all-reduced buckets) slower."""
+    cluster = _host_cluster(tmp_path, {"all_gather": 0.5, "reduce_scatter": 0.5, "all_reduce": -0.25})
+    steps = {}
+    for configuration in ("ddp", "fsdp"):
+        for overlap in (False, True):
+            plan = _plan(256, overlap, 256, cluster=cluster, mesh_shape=(2,), configuration=configuration)
+            steps[configuration, overlap] = plan
+    ddp_off, ddp_on = steps["ddp", False], steps["ddp", True]
+    # DDP: every gradient all-reduced beside backward, a quarter of it lost to contention
+    assert ddp_on.predicted_step_s == pytest.approx(ddp_off.predicted_step_s + 0.25 * ddp_off.predicted_comm_s)
+    assert steps["fsdp", True].predicted_step_s < steps["fsdp", False].predicted_step_s
+    hidden = [entry["forward"] for entry in steps["fsdp", True].overlap["layers"] if entry["forward"][1]]
+    assert hidden and all(weighted == pytest.approx(0.5 * comm) for _, comm, weighted in hidden)
+    assert steps["fsdp", True].overlap["by_collective"] == {"all_gather": 0.5, "reduce_scatter": 0.5,
+                                                            "all_reduce": -0.25}
+
+
+def test_each_gradient_bucket_pays_a_latency(tmp_path):
+    """Replicated gradients are all-reduced in buckets of ``bucket_cap_mb``: each gradient pays
+    the share of a bucket's latency its bytes take (2 latencies per all-reduce on 2 ranks), so
+    1 MiB buckets cost the DDP step about 2·latency per MiB of gradients more than one bucket."""
+    cluster = _host_cluster(tmp_path, {}, latency_us=1000.0)
+    one = _plan(1024, False, 256, cluster=cluster, mesh_shape=(2,), configuration="ddp", bucket_cap_mb=1e6)
+    small = _plan(1024, False, 256, cluster=cluster, mesh_shape=(2,), configuration="ddp", bucket_cap_mb=1.0)
+    gradient_bytes = sum(p.bytes for p in small.parameters.values())
+    assert small.predicted_comm_s - one.predicted_comm_s == pytest.approx(
+        2 * 1e-3 * gradient_bytes / 2**20 * (1 - 2**20 / (1e6 * 2**20)), rel=1e-6)
+
+
+def _model_and_reference(layers: int, rows: int):
+    """A seeded ResidualMLP of width 256, its input and target, and a copy of it whose
+    gradients one process computed (what every test worker compares with)."""
+    torch.manual_seed(0)
+    model, x, target = ResidualMLP(256, layers), torch.randn(rows, 256), torch.randn(rows, 256)
+    reference = ResidualMLP(256, layers)
+    reference.load_state_dict(model.state_dict())
+    torch.nn.functional.mse_loss(reference(x), target).backward()
+    return model, x, target, reference
+
+
+def _gradient_error(pmodel, reference) -> float:
+    """The largest difference between the parallel model's gradients and one process's."""
+    grads = dict(pmodel.named_parameters())
+    return max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
 
 
 def _overlap_worker(bucket_cap_mb: float):
@@ -116,11 +188,7 @@ def _overlap_worker(bucket_cap_mb: float):
     all-reduces started while the backward still computed, and how far the gradients are from one process's."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model, x, target = ResidualMLP(256, 8), torch.randn(256, 256), torch.randn(256, 256)
-    reference = ResidualMLP(256, 8)
-    reference.load_state_dict(model.state_dict())
-    torch.nn.functional.mse_loss(reference(x), target).backward()
+    model, x, target, reference = _model_and_reference(8, 256)
     pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="ddp",
                                  bucket_cap_mb=bucket_cap_mb)
     pmodel.step(x, target=target)  # warm-up, then a clean step
@@ -131,9 +199,7 @@ def _overlap_worker(bucket_cap_mb: float):
     start, end = min(r.start for r in backward), max(r.end for r in backward)
     reductions = [e.time_range for e in prof.events() if e.name == "gloo:all_reduce"]
     inside = sum(start <= r.start < end for r in reductions)  # running while backward still computes
-    grads = dict(pmodel.named_parameters())
-    error = max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
-    return inside, error
+    return inside, _gradient_error(pmodel, reference)
 
 
 def test_gradient_all_reduces_run_inside_the_backward_pass():
@@ -156,21 +222,15 @@ def _fsdp_worker(overlap: bool = True, prefetch_layers: int = 1):
     one process's."""
     from autopar.passes.grad_sync import reducing
 
-    torch.manual_seed(0)
-    model, x, target = ResidualMLP(256, 4), torch.randn(1024, 256), torch.randn(1024, 256)
-    reference = ResidualMLP(256, 4)
-    reference.load_state_dict(model.state_dict())
-    torch.nn.functional.mse_loss(reference(x), target).backward()
+    model, x, target, reference = _model_and_reference(4, 1024)
     pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="fsdp",
                                  overlap=overlap, prefetch_layers=prefetch_layers)
     in_flight = {}
     for name, param in pmodel.named_parameters():
         param.register_post_accumulate_grad_hook(lambda p, name=name: in_flight.update({name: reducing(p)}))
     pmodel.step(x, target=target)
-    grads = dict(pmodel.named_parameters())
-    error = max((grads[name].grad.full_tensor() - p.grad).abs().max().item() for name, p in reference.named_parameters())
-    settled = not any(reducing(p) for p in grads.values())
-    return pmodel.code, in_flight, error, settled
+    settled = not any(reducing(p) for p in pmodel.parameters())
+    return pmodel.code, in_flight, _gradient_error(pmodel, reference), settled
 
 
 def test_fsdp_gathers_run_a_layer_ahead_and_reductions_during_backward():

@@ -113,3 +113,82 @@ def test_the_cli_replans_a_saved_plan(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["replan"]["switch"] and shown["replan"]["break_even_steps"] == 0
     assert autopar.load_plan(out).num_devices == 2
+
+
+def _reshard_worker(steps: int):
+    """``steps`` AdamW steps of a ResidualMLP under a DDP plan on this rank, ``autopar.reshard``
+    to an FSDP plan on the same mesh (DTensor's redistribute) and ``steps`` more, then to a
+    2-D plan (Megatron's tensor parallelism inside data parallelism, a mesh of another shape:
+    values move whole, each rank keeping its slice) and ``steps`` more: the largest difference
+    from one process's ``3·steps`` steps, in parameters and in AdamW's two moments, the three
+    plans' weight placements and meshes, and whether each switch kept the device mesh."""
+    import copy
+
+    from torch.nn.functional import mse_loss
+
+    torch.manual_seed(0)
+    model, x, target = ResidualMLP(64, 2), torch.randn(32, 64), torch.randn(32, 64)
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(3 * steps):
+        ref_opt.zero_grad()
+        mse_loss(reference(x), target).backward()
+        ref_opt.step()
+    plans = [autopar.plan(model, (x,), cluster="4xcpu", configuration="ddp"),
+             autopar.plan(model, (x,), cluster="4xcpu", configuration="fsdp"),
+             autopar.plan(model, (x,), cluster="4xcpu", mesh_shape=(2, 2), configuration="tp_dp")]
+    pmodel = autopar.apply(model, plans[0], loss_fn=mse_loss)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
+    same_mesh = []
+    for k, plan in enumerate(plans):
+        if k:
+            before = next(pmodel.parameters()).device_mesh
+            pmodel, optimizer = autopar.reshard(pmodel, plan, optimizer=optimizer)
+            same_mesh.append(next(pmodel.parameters()).device_mesh == before)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            pmodel.step(x, target=target)
+            optimizer.step()
+    state = pmodel.full_state_dict()
+    error = max((state[name] - p).abs().max().item() for name, p in reference.named_parameters())
+    moments = 0.0
+    mine = dict(pmodel.named_parameters())
+    for name, p in reference.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = optimizer.state[mine[name]][key]
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            moments = max(moments, (value - ref_opt.state[p][key]).abs().max().item())
+    placements = [sorted({p.placement for p in plan.parameters.values()}) for plan in plans]
+    return error, moments, placements, [list(plan.mesh_shape) for plan in plans], same_mesh
+
+
+def test_reshard_moves_parameters_and_optimizer_state_to_another_plan():
+    """Train under plan A, switch the running model to plans B and C in place, train on: the
+    same parameters and AdamW moments as one process trained throughout (4 gloo ranks)."""
+    from tests.distributed import run_world
+
+    error, moments, placements, meshes, same_mesh = run_world(4, _reshard_worker, 2)
+    assert placements[0] == ["R"] and placements[0] != placements[1] != placements[2], placements
+    assert meshes == [[4], [4], [2, 2]] and same_mesh == [True, False]
+    assert error < 1e-5 and moments < 1e-6, (error, moments)
+
+
+def test_reshard_refuses_what_it_cannot_move(tmp_path):
+    from autopar.planning.move_state import reshard
+
+    with torch.device("meta"):
+        model, x = ResidualMLP(64, 2), torch.randn(32, 64)
+    plan = autopar.plan(model, (x,), cluster="4xcpu", configuration="ddp")
+    with pytest.raises(AutoparError, match="switches a model autopar lowered"):
+        reshard(torch.nn.Linear(2, 2), plan)
+    other = autopar.plan(ResidualMLP(32, 2).to("meta"), (torch.randn(32, 32, device="meta"),), cluster="4xcpu")
+
+    class Running(torch.nn.Module):
+        def __init__(self, plan):
+            super().__init__()
+            self.plan = plan
+
+    with pytest.raises(AutoparError, match="made for a different graph"):
+        reshard(Running(plan), other)
+    with pytest.raises(AutoparError, match="spans 4 devices and the new one 2"):
+        reshard(Running(plan), autopar.plan(model, (x,), cluster="2xcpu", configuration="ddp"))

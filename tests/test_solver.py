@@ -45,13 +45,24 @@ def random_problem(rng: random.Random) -> ShardingProblem:
         groups = [rng.randint(-1, 2) for _ in range(n)]
         own = [[round(rng.uniform(0, c), 3) if rng.random() < 0.3 else 0.0 for c in row] for row in costs]
         forward = [[round(rng.uniform(0, c - o), 3) for c, o in zip(row, mine)] for row, mine in zip(costs, own)]
-        edges = [dataclasses.replace(e, group=groups[e.dst], forward_cost=[
-            [None if c is None else round(rng.uniform(0, c), 3) for c in row] for row in e.cost]
-            if rng.random() < 0.7 else None) if rng.random() < 0.6 else e for e in edges]
+        edges = [dataclasses.replace(e, group=groups[e.dst], parts=[[None if c is None else _parts(rng, c) for c in row]
+                                                                     for row in e.cost]
+                                     if rng.random() < 0.7 else None) if rng.random() < 0.6 else e for e in edges]
+        kinds = tuple((kind, rng.choice([1.0, -0.5, round(rng.uniform(-1, 1), 3)]))
+                      for kind in ("all_gather", "reduce_scatter", "all_reduce") if rng.random() < 0.5)
         problem = dataclasses.replace(problem, edges=edges, node_group=groups, node_comm=own, node_forward=forward,
                                       overlap_efficiency=rng.choice([1.0, 0.5, round(rng.uniform(0, 1), 3)]),
-                                      prefetch=rng.random() < 0.7)
+                                      collective_overlap=kinds, prefetch=rng.random() < 0.7)
     return problem
+
+
+def _parts(rng: random.Random, cost: float) -> tuple[float, float, float, str]:
+    """A random split of an edge's ``cost`` into forward gathers, backward re-gathers, a
+    gradient reduction (of a random kind) and the exposed rest."""
+    forward = round(rng.uniform(0, cost), 3)
+    regather = round(rng.uniform(0, cost - forward), 3)
+    reduction = round(rng.uniform(0, cost - forward - regather), 3)
+    return forward, regather, reduction, rng.choice(["all_reduce", "reduce_scatter"])
 
 
 def brute_force(problem: ShardingProblem) -> float:

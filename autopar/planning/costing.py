@@ -73,8 +73,7 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
                                    symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None),
                                    loss_on_outputs=True,
-                                   overlap_efficiency=PlanOptions.of_plan(plan).overlap_efficiency(cluster.device),
-                                   prefetch=PlanOptions.of_plan(plan).prefetch_layers > 0)
+                                   **PlanOptions.of_plan(plan).problem_overlap(cluster.device))
     return problem, index, plan_choice(captured, plan, index, f"mesh {list(mesh.shape)} of {cluster.describe()}")
 
 

@@ -105,16 +105,10 @@ def _whole_state(plan: Plan, shapes, element_bytes, copies: int, rank: int) -> i
 
 
 def _seconds(nbytes: int, plan: Plan, cluster: Cluster) -> float:
-    """``nbytes`` over the slowest link of the new plan's mesh (pieces come from any device)."""
+    """``nbytes`` over the slowest link of the new plan's mesh (pieces come from any device);
+    of a plan over several device groups, the slowest link of the whole cluster."""
     if not nbytes:
         return 0.0
-    links = mesh_for_shape(cluster, tuple(plan.mesh_shape)).links if plan.family == "one_mesh" else ()
-    slowest = min(links, key=lambda link: link.bandwidth_Bps, default=None)
-    if slowest is None:
-        slowest = min((link for link in _all_links(cluster)), key=lambda link: link.bandwidth_Bps)
+    shape = tuple(plan.mesh_shape) if plan.family == "one_mesh" else (cluster.num_devices,)
+    slowest = min(mesh_for_shape(cluster, shape).links, key=lambda link: link.bandwidth_Bps)
     return slowest.latency_s + nbytes / slowest.bandwidth_Bps
-
-
-def _all_links(cluster: Cluster):
-    """Every link of ``cluster``'s one mesh over all its devices."""
-    return mesh_for_shape(cluster, (cluster.num_devices,)).links

@@ -161,8 +161,7 @@ class MeshSearch:
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
                              recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None,
                              loss_on_outputs=self.loss_on_outputs,
-                             overlap_efficiency=self.options.overlap_efficiency(self.cluster.device),
-                             prefetch=self.options.prefetch_layers > 0)
+                             **self.options.problem_overlap(self.cluster.device))
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:
@@ -430,19 +429,24 @@ def _to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shar
 
 
 def _overlap_summary(problem: ShardingProblem, index: ProblemIndex, choice: list[int]) -> dict:
-    """The plan's ``overlap``: the device's efficiency and, per layer group in the order the
-    graph runs them (repeated layers once, with their copies), each phase's compute and
-    overlappable communication — what ``show``, the HTML report and ``show --trace`` draw."""
+    """The plan's ``overlap``: the device's efficiency (per collective kind where measured) and,
+    per layer group in the order the graph runs them (repeated layers once, with their copies),
+    each phase's compute, overlappable communication and that communication weighted by its
+    kinds' η (what overlap can hide: min(compute, weighted)) — what ``show``, the HTML report
+    and ``show --trace`` draw."""
     times = problem.group_times(choice)
     copies: dict[int, int] = {}
     for i, g in enumerate(problem.node_group or ()):
         if g >= 0:
             copies[g] = max(copies.get(g, 1), problem.count(i))
     layers = [{"layer": name, "copies": copies.get(g, 1),
-               "forward": list(times.get((g, "forward"), (0.0, 0.0))),
-               "backward": list(times.get((g, "backward"), (0.0, 0.0)))}
+               "forward": list(times.get((g, "forward"), (0.0, 0.0, 0.0))),
+               "backward": list(times.get((g, "backward"), (0.0, 0.0, 0.0)))}
               for g, name in enumerate(index.group_names)]
-    return {"efficiency": problem.overlap_efficiency, "layers": layers}
+    summary = {"efficiency": problem.overlap_efficiency, "layers": layers}
+    if problem.collective_overlap:
+        summary["by_collective"] = dict(problem.collective_overlap)
+    return summary
 
 
 def _bytes_sent(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],

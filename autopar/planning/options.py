@@ -117,12 +117,18 @@ class PlanOptions:
         return recorded
 
     @classmethod
-    def of_plan(cls, plan) -> "PlanOptions":
-        """The overlap options ``plan`` was made with (what re-costing it needs)."""
-        return cls(overlap=plan.options.get("overlap", True),
-                   bucket_cap_mb=plan.options.get("bucket_cap_mb", cls.bucket_cap_mb),
-                   prefetch_layers=plan.options.get("prefetch_layers", cls.prefetch_layers))
+    def of_plan(cls, plan, **overrides) -> "PlanOptions":
+        """The options ``plan`` was made with, as far as it records them (optimizer, precision,
+        overlap knobs: what re-costing or re-planning it needs), and ``overrides``."""
+        recorded = {"optimizer": plan.options.get("optimizer", cls.optimizer),
+                    "overlap": plan.options.get("overlap", True),
+                    "mixed_precision": Precision.from_plan(plan.options.get("mixed_precision")),
+                    **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers") if k in plan.options}}
+        return cls(**{**recorded, **overrides})
 
-    def overlap_efficiency(self, device) -> float:
-        """η the problems of ``device`` are built with: its own, or 0 with overlap off."""
-        return device.overlap_efficiency if self.overlap else 0.0
+    def problem_overlap(self, device) -> dict[str, Any]:
+        """passes.build_problem's overlap arguments on ``device``: its η (per collective kind
+        where measured; none with overlap off), whether gathers are prefetched, the buckets."""
+        return {"overlap_efficiency": device.overlap_efficiency if self.overlap else 0.0,
+                "collective_overlap": device.collective_overlap if self.overlap else (),
+                "prefetch": self.prefetch_layers > 0, "bucket_bytes": int(self.bucket_cap_mb * 2**20)}

@@ -20,7 +20,6 @@ from autopar.plan import Plan
 from autopar.planning.costing import recost
 from autopar.planning.migration import Migration, migration
 from autopar.planning.options import PlanOptions
-from autopar.planning.precision import Precision
 from autopar.units import format_bytes, format_seconds
 
 
@@ -49,14 +48,6 @@ class Replan:
         """The answer without the plan (the CLI prints it beside the plan's summary)."""
         answer = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}
         return answer | {"predicted_step_s": self.plan.predicted_step_s}
-
-
-def options_of(plan: Plan, **overrides) -> PlanOptions:
-    """The options ``plan`` was made with, as far as it records them, and ``overrides``."""
-    recorded = {"optimizer": plan.options.get("optimizer", "adamw"), "overlap": plan.options.get("overlap", True),
-                "mixed_precision": Precision.from_plan(plan.options.get("mixed_precision")),
-                **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers") if k in plan.options}}
-    return PlanOptions(**{**recorded, **overrides})
 
 
 def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:

@@ -28,7 +28,8 @@ EXAMPLES = {
     "profile": "autopar profile --out cpu.yaml\nautopar plan examples.gpt:build --cluster cpu.yaml",
     "checkpoint": "autopar checkpoint convert ckpt/step-1000 model.pt\nautopar checkpoint convert model.pt ckpt/start",
     "replan": "autopar replan plan.json examples.gpt:build --cluster slow-wan.yaml -o plan-slow.json\n"
-              "autopar replan plan.json examples.gpt:build --cluster 1x8xH100 --json",
+              "autopar replan plan.json examples.gpt:build --cluster 1x8xH100 --json\n"
+              "autopar replan plan.json examples.gpt:build --cluster wan.yaml --link us-eu=0.125GBps@40ms",
 }
 
 def _writable_output(path: str | None) -> None:
@@ -168,12 +169,16 @@ def _cmd_replan(args) -> int:
     import autopar
     from autopar.report import summary
 
+    from autopar.cluster_file import parse_link_change
+
     _writable_output(args.output)
     old = autopar.load_plan(args.plan)
+    cluster = autopar.Cluster.from_spec(args.cluster, args.memory_limit)
+    for change in args.link or ():
+        cluster = cluster.with_link(*parse_link_change(change))
     with _progress(f"loading {args.model}"):
         model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
-        answer = autopar.replan(old, args.cluster, model, inputs, memory_limit=args.memory_limit,
-                                time_limit_s=args.time_limit, solver=args.solver)
+        answer = autopar.replan(old, cluster, model, inputs, time_limit_s=args.time_limit, solver=args.solver)
     if args.output:  # last: a command that fails writes nothing
         answer.plan.save(args.output)
     if args.json:
@@ -366,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan")
     r.add_argument("model", help="the model the plan was made for (.pt2, .pt, or package.module:factory)")
     r.add_argument("--cluster", required=True, help="the cluster as it is now: a shorthand or a cluster file")
+    r.add_argument("--link", action="append", metavar="WHICH=BANDWIDTH[@LATENCY]",
+                   help="change one link of --cluster: a WAN link between two regions (a-b=0.125GBps@40ms), "
+                        "intra_node or inter_node (=100Gbps); repeatable")
     r.add_argument("--input", action="append", help="example input NAME=SHAPE:DTYPE, as for plan")
     r.add_argument("--memory-limit", type=float, help="bytes per device")
     r.add_argument("--solver", default="cpsat")

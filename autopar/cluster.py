@@ -176,6 +176,32 @@ class Cluster:
             return f"{self.devices_per_host}x{self.device.name}"
         return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"
 
+    def with_link(self, which: str, bandwidth_Bps: float, latency_s: float | None = None) -> "Cluster":
+        """This cluster with one link changed (``autopar replan --link``): ``"intra_node"`` (the
+        devices of a host), ``"inter_node"`` (hosts of a region) — in every region — or
+        ``"a-b"``, the WAN link between regions a and b. ``latency_s`` None keeps the link's."""
+        def changed(link: Link) -> Link:
+            return dataclasses.replace(link, bandwidth_Bps=bandwidth_Bps,
+                                       latency_s=link.latency_s if latency_s is None else latency_s)
+
+        if which in ("intra_node", "inter_node"):
+            field = "intra_link" if which == "intra_node" else "inter_link"
+            regions = tuple((name, dataclasses.replace(sub, **{field: changed(getattr(sub, field))}))
+                            for name, sub in self.region_clusters)
+            return dataclasses.replace(self, **{field: changed(getattr(self, field))}, region_clusters=regions)
+        names = set(self.host_regions)
+        pairs = [(which[:i], which[i + 1:]) for i, c in enumerate(which) if c == "-"]  # region names may hold '-'
+        a, b = next(((x, y) for x, y in pairs if x in names and y in names and x != y), (None, None))
+        if a is None:
+            known = ", ".join(f"{x}-{y}" for x, y, _ in self.wan_links) or "none: the cluster has one region"
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"no link {which!r} to change: name intra_node, inter_node or two regions joined by "
+                               f"'-' (WAN links: {known})")
+        old = self.wan_link(a, b)
+        links = tuple((x, y, changed(link) if link is old and {x, y} == {a, b} else link)
+                      for x, y, link in self.wan_links)
+        return dataclasses.replace(self, wan_links=links)
+
     def plan_header(self) -> dict:
         """What a plan records of its cluster (``plan.cluster``)."""
         return {"spec": self.describe(), "device": self.device.name, "hosts": self.hosts,

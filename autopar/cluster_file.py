@@ -19,6 +19,7 @@ from __future__ import annotations
 
 
 import dataclasses
+import math
 
 import yaml
 
@@ -322,3 +323,42 @@ def _wan_links(links, specs: dict, where) -> tuple:
                 raise _fail(where("links"), f"no link between regions {a!r} and {b!r}: add "
                             f"`- {{between: [{a}, {b}], bandwidth_GBps: ..., latency_ms: ...}}` under `links`")
     return tuple(found)
+
+
+_BANDWIDTH_UNITS = {"GBps": GB, "MBps": 1e6, "Gbps": GB / 8, "Mbps": 1e6 / 8}  # bytes/s per unit
+_LATENCY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_link_change(text: str) -> tuple[str, float, float | None]:
+    """``autopar replan --link``: ``WHICH=BANDWIDTH[@LATENCY]`` -> (which, bytes/s, seconds or
+    None). WHICH is intra_node, inter_node or two regions ``a-b``; BANDWIDTH a number with
+    GBps or MBps (bytes) or Gbps or Mbps (bits); LATENCY a number with us, ms or s.
+    ``us-eu=0.125GBps@40ms`` is 1 Gbit/s at 40 ms."""
+    which, sep, value = text.partition("=")
+    rate, _, latency = value.partition("@")
+    bandwidth = _with_unit(rate, _BANDWIDTH_UNITS)
+    if not sep or not which.strip() or bandwidth is None or bandwidth <= 0:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: expected WHICH=BANDWIDTH[@LATENCY], e.g. "
+                           "a-b=0.125GBps@40ms or inter_node=100Gbps (WHICH: intra_node, inter_node or two regions "
+                           "joined by '-'; bandwidth in GBps, MBps, Gbps or Mbps; latency in us, ms or s)")
+    seconds = None
+    if latency:
+        seconds = _with_unit(latency, _LATENCY_UNITS)
+        if seconds is None or seconds < 0:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: latency {latency!r} must be a number with us, "
+                               "ms or s (e.g. 40ms)")
+    return which.strip(), bandwidth, seconds
+
+
+def _with_unit(text: str, units: dict[str, float]) -> float | None:
+    """``"0.125GBps"`` -> 1.25e8 (units matched as written, the longest first); None when the
+    number is not a finite one or the unit not in ``units``."""
+    text = text.strip()
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            try:
+                value = float(text[: -len(unit)])
+            except ValueError:
+                return None
+            return value * units[unit] if math.isfinite(value) else None
+    return None

@@ -5,6 +5,7 @@ how many steps the faster step pays it back."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -113,6 +114,73 @@ def test_the_cli_replans_a_saved_plan(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["replan"]["switch"] and shown["replan"]["break_even_steps"] == 0
     assert autopar.load_plan(out).num_devices == 2
+
+
+def test_one_link_of_a_cluster_can_change(tmp_path):
+    """``--link``: a WAN link between two regions (names may hold '-'), or the links inside
+    hosts or between them, at a new bandwidth and, if given, latency; anything else is refused
+    with the links there are."""
+    from autopar.cluster import Cluster
+    from autopar.cluster_file import parse_link_change
+
+    path = tmp_path / "wan.yaml"
+    path.write_text("regions:\n  us-east: {device: H100, nodes: 1, per_node: 8}\n"
+                    "  eu-west: {device: H100, nodes: 1, per_node: 8}\n"
+                    "links:\n  - {between: [us-east, eu-west], bandwidth_GBps: 1.25, latency_ms: 40}\n")
+    cluster = Cluster.from_spec(str(path))
+    slow = cluster.with_link(*parse_link_change("eu-west-us-east=1Gbps"))
+    assert slow.wan_link("us-east", "eu-west").bandwidth_Bps == 1.25e8
+    assert slow.wan_link("us-east", "eu-west").latency_s == pytest.approx(0.04)  # kept
+    faster = cluster.with_link(*parse_link_change("intra_node=450GBps@1us"))
+    assert faster.intra_link.bandwidth_Bps == 450e9 and faster.intra_link.latency_s == pytest.approx(1e-6)
+    assert all(sub.intra_link == faster.intra_link for _, sub in faster.region_clusters)
+    with pytest.raises(AutoparError, match="no link 'us-east-asia' to change.*WAN links: us-east-eu-west"):
+        cluster.with_link(*parse_link_change("us-east-asia=1GBps"))
+    with pytest.raises(AutoparError, match="expected WHICH=BANDWIDTH"):
+        parse_link_change("us-east-eu-west=fast")
+
+
+def test_the_cli_replans_for_a_slower_wan_link(tmp_path, capsys):
+    """``autopar replan … --link a-b=…``: the same regions with their WAN link 100x slower; the
+    old plan costs more there, and the new plan is no slower than it."""
+    from autopar.cli import main
+
+    from models import tiny_mlp
+
+    cluster = str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml")
+    path = tmp_path / "plan.json"
+    old = autopar.plan(*tiny_mlp(), cluster=cluster, configuration="ddp")  # gradients all-reduced over the WAN
+    old.save(path)
+    assert main(["replan", str(path), "models:tiny_mlp", "--cluster", cluster, "--link", "a-b=0.01GBps@1ms",
+                 "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["replan"]
+    assert shown["previous_step_s"] > old.predicted_step_s
+    assert shown["predicted_step_s"] <= shown["previous_step_s"] * (1 + 1e-9)
+    assert main(["replan", str(path), "models:tiny_mlp", "--cluster", cluster, "--link", "a-c=1GBps"]) == 2
+    assert "no link 'a-c' to change" in capsys.readouterr().err
+
+
+def test_a_pipeline_plan_is_recosted_on_the_changed_links():
+    """A pipeline over two regions keeps its cuts and micro-batches on the changed cluster:
+    re-costed on the same cluster it costs what it predicted; with its WAN link 1000x slower
+    its sends cost more, and the answer compares the re-plan with that."""
+    from autopar.cluster import Cluster
+    from autopar.planning import ModelGraphs, PlanOptions
+    from autopar.planning.pipeline import recost_pipeline
+
+    model, x = ResidualMLP(64, 4), torch.randn(32, 64)
+    cluster = Cluster.from_spec(str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml"))
+    old = autopar.plan(model, (x,), cluster=cluster, pipeline=True)
+    assert old.family == "pipeline"
+    graphs = ModelGraphs(model, (x,))
+    same = recost_pipeline(graphs, old, cluster, PlanOptions.of_plan(old))
+    assert same == pytest.approx(old.predicted_step_s, rel=1e-9)
+    slow = cluster.with_link("a-b", 1e6)
+    answer = autopar.replan(old, slow, model, (x,))
+    assert answer.previous_step_s > old.predicted_step_s
+    assert answer.plan.predicted_step_s <= answer.previous_step_s * (1 + 1e-9)
+    with pytest.raises(AutoparError, match="its stages run on groups"):
+        recost_pipeline(graphs, old, Cluster.from_spec("2xcpu"), PlanOptions.of_plan(old))
 
 
 def _reshard_worker(steps: int):

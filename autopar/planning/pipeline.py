@@ -38,7 +38,7 @@ from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
-from autopar.solvers.pipeline import StageTime, bubble, partition
+from autopar.solvers.pipeline import StageTime, bubble, partition, step_time
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,29 @@ class PipelineStages:
         # the plan's inputs are one micro-batch: a graph of the whole batch does not serve
         module, runtime = lower_pipeline(capture_for(model, plan), plan, model, loss_fn, device_type())
         return ParallelModule(module, plan, loss_fn, runtime)
+
+
+def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) -> float:
+    """``plan``'s step on ``cluster`` (a link changed, say): its stage cuts, micro-batches and
+    schedule kept, each stage planned on its group of ``cluster`` as the search plans it (a
+    stage's own placements depend only on its group, so where only the links between groups
+    changed they are the plan's), the sends costed on the new links. An AutoparError where the
+    plan's device groups are not the cluster's."""
+    groups = cluster.groups()
+    if [(g.name, g.ranks) for g in groups] != [(st.group, tuple(st.ranks)) for st in plan.stages]:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"its stages run on groups {[st.group for st in plan.stages]}, the "
+                           f"cluster's are {[g.name for g in groups]} (or of other sizes)")
+    m = plan.micro_batches
+    options = dataclasses.replace(options, recompute="none", schedule=plan.schedule)
+    stages = _StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options)
+    layers = [layer for st in plan.stages for layer in st.layers]
+    if layers != stages.layers:
+        raise AutoparError(ErrorKind.BAD_PLAN, "its stages hold other layers than the model has; re-plan")
+    cuts = [0]
+    for st in plan.stages:
+        cuts.append(cuts[-1] + len(st.layers))
+    times = [stages.time_s(cuts[s], cuts[s + 1], s) for s in range(len(groups))]
+    return step_time(times, m, in_flight=len(groups) if plan.schedule == "1F1B" else None)
 
 
 def _micro_batch_counts(inputs: tuple, stages: int, pinned: int | None) -> list[int]:

@@ -18,6 +18,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.planning.costing import recost
+from autopar.planning.pipeline import recost_pipeline
 from autopar.planning.migration import Migration, migration
 from autopar.planning.options import PlanOptions
 from autopar.units import format_bytes, format_seconds
@@ -55,9 +56,12 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
     switching to it (see :class:`Replan`)."""
     from autopar.planning import choose
 
-    if graphs.full.fingerprint != old.fingerprint:
+    # a pipeline plan's graph is one micro-batch's
+    captured = graphs.at_rows(old.inputs[0].shape[0]) if old.stages and old.inputs and old.inputs[0].shape \
+        else graphs.full
+    if captured.fingerprint != old.fingerprint:
         raise AutoparError(ErrorKind.BAD_PLAN, f"the plan was made for a different graph (fingerprint "
-                           f"{old.fingerprint}, this model captures as {graphs.full.fingerprint}); plan it afresh")
+                           f"{old.fingerprint}, this model captures as {captured.fingerprint}); plan it afresh")
     start = time.perf_counter()
     new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old, baselines=False))
     replan_s = time.perf_counter() - start
@@ -81,11 +85,14 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
 
 def _previous_step(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> tuple[float | None, str]:
     """The old plan's step on the new cluster, or None and why it cannot be costed there."""
-    if old.family != "one_mesh":
+    if old.family not in ("one_mesh", "pipeline"):
         return None, f"a {old.family} plan is tied to the device groups it was made for"
     if old.num_devices != cluster.num_devices:
         return None, f"it runs on {old.num_devices} devices, the cluster has {cluster.num_devices}"
     try:
+        if old.family == "pipeline":
+            step_s = recost_pipeline(graphs, old, cluster, options)
+            return (step_s, "") if math.isfinite(step_s) else (None, "a stage no longer fits its group's memory")
         step_s, memory = recost(graphs.full, old, cluster, options.optimizer)
     except AutoparError as exc:
         return None, exc.message

@@ -176,6 +176,19 @@ class Cluster:
             return f"{self.devices_per_host}x{self.device.name}"
         return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"
 
+    def host_stages(self, stages: int) -> "Cluster":
+        """This one-region cluster as ``stages`` groups of consecutive hosts, each a region of
+        its own joined to the others by the hosts' network (``inter_link``): the device groups
+        pipeline stages over hosts of one kind run on (issue 21). ``stages`` divides the hosts."""
+        if self.host_regions or self.hosts % stages:
+            raise AutoparError(ErrorKind.BAD_CLUSTER, f"{self.describe()} does not split into {stages} equal groups "
+                               "of hosts (a cluster with regions pipelines over its regions)")
+        per = self.hosts // stages
+        names = [f"hosts{s * per}-{(s + 1) * per - 1}" if per > 1 else f"host{s}" for s in range(stages)]
+        return dataclasses.replace(self, host_regions=tuple(names[h // per] for h in range(self.hosts)),
+                                   wan_links=tuple((a, b, self.inter_link) for i, a in enumerate(names)
+                                                   for b in names[i + 1:]), region_clusters=())
+
     def with_link(self, which: str, bandwidth_Bps: float, latency_s: float | None = None) -> "Cluster":
         """This cluster with one link changed (``autopar replan --link``): ``"intra_node"`` (the
         devices of a host), ``"inter_node"`` (hosts of a region) — in every region — or

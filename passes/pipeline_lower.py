@@ -29,6 +29,7 @@ from autopar.plan import Plan
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
 from autopar.passes.grad_sync import sync_grads
+from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
@@ -101,6 +102,9 @@ def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Ca
     outputs = tuple(_zeros(n) for n in module.graph.output_node().all_input_nodes)
     lower_module(module, names, plan, meshes[s], model, captured, sync_on_accumulate=False,
                  owner_meshes=owner_meshes[s])
+    recomputed = {layer: mode for layer, mode in plan.recompute.items() if layer in plan.stages[s].layers}
+    if recomputed:  # torch.utils.checkpoint around each of the stage's layers (passes.recompute)
+        checkpoint_layers(module, recomputed)
     width = len(plan.stages[s].ranks)
     _slice_boundaries(module, lane_meshes[s], s > 0, s < len(plan.stages) - 1, width)
     examples = tuple(_sliced(t, width) for t in examples) if s > 0 else examples

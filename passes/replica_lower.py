@@ -22,6 +22,7 @@ from autopar.plan import Plan
 from autopar.passes.capture import capture, compute_dtype_of
 from autopar.passes.grad_sync import all_reduce_flat
 from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
+from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.runtime import sum_touched_rows
 from autopar.passes.sparse import SPARSE_ALLGATHER
 
@@ -95,4 +96,6 @@ def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, devic
     owner_meshes = owner_submeshes(plan, meshes)  # every rank, every group's, in order
     lower_module(module, [spec.name for spec in plan.inputs], plan, meshes[g], model, captured,
                  owner_meshes=owner_meshes[g])
+    if plan.recompute:  # torch.utils.checkpoint around each layer (passes.recompute)
+        checkpoint_layers(module, plan.recompute)
     return module, ReplicaRuntime(module, plan, g, lanes[lane], loss_fn)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import autopar
 import models
+from autopar.passes.recompute import SPAN_PREFIX
 from autopar.passes.runtime import full_value
 from equivalence import under_policy
 
@@ -67,6 +68,7 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     with torch.no_grad():
         errors["output"] = (pmodel(batches[0][0]) - forward(batches[0][0])).abs().max().item()
     errors["sliced"] = float("send_slice(" in pmodel.code or "receive_slice(" in pmodel.code)
+    errors["checkpointed"] = float(SPAN_PREFIX in pmodel.code)  # a layer run under torch.utils.checkpoint
     errors = _max_over_ranks(errors)
     covered = [None] * dist.get_world_size()
     dist.all_gather_object(covered, sorted(own))
@@ -75,6 +77,7 @@ def check_pipeline(cluster_path: str, micro_batches: int | None = None, steps: i
     errors["stages"] = [list(st.layers) for st in plan.stages]
     errors["stage_meshes"] = [list(st.mesh_shape) for st in plan.stages]
     errors["micro_batches"] = plan.micro_batches
+    errors["recompute"] = dict(plan.recompute)
     errors["batch_split"] = [r.batch for r in plan.replicas]
     errors["between_groups"] = {fqn: t.get("between_groups") for fqn, t in plan.sparse.items()}
     errors["experts"] = {module: layer["exchange"] for module, layer in plan.experts.items()}

@@ -24,7 +24,7 @@ from autopar.passes.stages import assign_stages, layer_order, split_graph
 from autopar.solvers.pipeline import StageTime, partition, step_time
 from distributed import run_world
 from models import GPT
-from pipeline_equivalence import check_pipeline
+from pipeline_equivalence import check_pipeline, check_pipelines
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "clusters")
 
@@ -129,6 +129,81 @@ def test_pipeline_training_equals_single_process_two_stages_and_pp_by_dp():
         assert result["output"] < 2e-6, result
         if world == 4:
             assert result["stage_meshes"] == [[2], [2]] and result["sliced"], result
+
+
+@pytest.mark.distributed
+def test_groups_recompute_their_layers_and_train_like_one_process():
+    """recompute="full" inside pipeline stages and inside data-parallel replica groups: every
+    layer runs under torch.utils.checkpoint, and training still equals the single-process model."""
+    cluster = os.path.join(CLUSTERS, "two_cpu_regions.yaml")
+    stages, replicas = run_world(2, check_pipelines, [
+        (cluster, None, 3, 4, 8, "1F1B", {"pipeline": True, "micro_batches": 2, "recompute": "full"}),
+        (cluster, None, 3, 4, 8, "1F1B", {"replicas": True, "batch_split": (6, 2), "recompute": "selective"})])
+    assert len(stages["stages"]) == 2 and replicas["batch_split"] == [6, 2]
+    for result, mode in ((stages, "full"), (replicas, "selective")):
+        assert result["checkpointed"] and result["all_params_covered"], result
+        assert result["recompute"] == {f"blocks.{k}": mode for k in range(4)}, result["recompute"]
+        assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
+        assert result["output"] < 2e-6, result
+
+
+def test_a_pipeline_that_does_not_fit_recomputes_its_layers():
+    """recompute="auto" on pipeline stages, as on one mesh: every activation kept when a cut
+    fits; under a memory limit only recomputation meets, the stages recompute their layers."""
+    import models
+
+    torch.manual_seed(0)
+    model, x = models.GPT(vocab=64, layers=4), torch.randint(0, 64, (8, 16))
+    cluster = os.path.join(CLUSTERS, "two_cpu_regions.yaml")
+    kept = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2)
+    full = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2, recompute="full")
+    assert not kept.recompute and set(full.recompute.values()) == {"full"}
+    assert full.memory.total_bytes < kept.memory.total_bytes
+    limit = (full.memory.total_bytes + kept.memory.total_bytes) // 2
+    auto = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2, memory_limit=limit)
+    assert auto.family == "pipeline" and auto.recompute and auto.memory.total_bytes <= limit
+    assert auto.recompute_cost["rerun_s"] > 0 and auto.predicted_step_s > kept.predicted_step_s
+
+
+def test_hosts_of_one_kind_get_pipeline_stages_when_asked_or_when_one_mesh_cannot_fit():
+    """No regions needed: pipeline=True on 4 hosts tries 2 and 4 stages of consecutive hosts
+    (each a sub-mesh) and keeps the faster; in auto mode a model no plan over one mesh fits
+    (width 63: no weight splits evenly, so every device holds every weight and its AdamW
+    state) gets stages over the hosts, each holding half the layers."""
+    from test_overlap import ResidualMLP
+
+    torch.manual_seed(0)
+    model, x = GPT(vocab=64, layers=4), torch.randint(0, 64, (8, 16))
+    plan = autopar.plan(model, (x,), cluster="4x1xcpu", pipeline=True)
+    assert plan.family == "pipeline" and len(plan.stages) in (2, 4)
+    ranks = [st.ranks for st in plan.stages]
+    assert sorted(r for group in ranks for r in group) == [0, 1, 2, 3] and all(
+        list(group) == list(range(group[0], group[-1] + 1)) for group in ranks)  # consecutive hosts
+    assert [layer for st in plan.stages for layer in st.layers] == [f"blocks.{k}" for k in range(4)]
+    assert "pipeline" not in autopar.plan(model, (x,), cluster="4x1xcpu").families  # one mesh fits: not tried
+    with pytest.raises(AutoparError, match="cannot host it: the cluster has one device group"):
+        autopar.plan(model, (x,), cluster="4xcpu", pipeline=True)
+
+    wide, rows = ResidualMLP(63, 4), torch.randn(2, 63)
+    one_mesh = autopar.plan(wide, (rows,), cluster="2x1xcpu", pipeline=False)
+    assert {p.placement for p in one_mesh.parameters.values()} == {"R"}
+    stages = autopar.plan(wide, (rows,), cluster="2x1xcpu", pipeline=True)
+    limit = (one_mesh.memory.total_bytes + stages.memory.total_bytes) // 2
+    with pytest.raises(AutoparError, match="no plan fits in memory"):
+        autopar.plan(wide, (rows,), cluster="2x1xcpu", memory_limit=limit, pipeline=False)
+    auto = autopar.plan(wide, (rows,), cluster="2x1xcpu", memory_limit=limit)
+    assert auto.family == "pipeline" and [st.group for st in auto.stages] == ["host0", "host1"]
+    assert auto.families["one_mesh"]["feasible"] is False and auto.families["pipeline"]["feasible"]
+
+
+@pytest.mark.distributed
+def test_stages_over_hosts_train_like_one_process():
+    """Two hosts of one kind, one stage each: training equals the single-process model."""
+    result = run_world(2, check_pipeline, "2x1xcpu", 2)
+    assert result["stages"] == [["blocks.0", "blocks.1"], ["blocks.2", "blocks.3"]], result
+    assert result["all_params_covered"], result
+    assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
+    assert result["output"] < 2e-6, result
 
 
 @pytest.mark.distributed

@@ -41,8 +41,10 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
     plan that fits is recorded as infeasible; one that does not suit the model (too few
     layers, a batch that does not split …) is recorded as skipped with the reason — unless it
     was the only one tried, or it is the one-mesh family failing for a reason other than
-    memory (then that error is the user's). The plan lists every family tried
-    (``plan.families``) and the hand-written baselines on this cluster (``plan.baselines``).
+    memory (then that error is the user's). A cluster of one device kind in one region gets
+    pipeline stages over its hosts when asked (``pipeline=True``), or when no plan over one
+    mesh fits. The plan lists every family tried (``plan.families``) and the hand-written
+    baselines on this cluster (``plan.baselines``).
     """
     start = time.perf_counter()
     forced = [name for name in FAMILIES if options.forced(name)]
@@ -55,12 +57,16 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
     found: dict[str, Plan] = {}
     entries: dict[str, dict] = {}
     error = None
+    # a cluster of one kind pipelines over its hosts when no plan over one mesh fits
+    over_hosts = "pipeline" not in tried and options.forced("pipeline") is None and not options.forced("replicas") \
+        and not FAMILIES["pipeline"].unavailable(cluster, dataclasses.replace(options, pipeline=True))
     for name in tried:
         try:
             found[name] = FAMILIES[name].plan(graphs, cluster, options)
             entries[name] = {"predicted_step_s": found[name].predicted_step_s, "feasible": True}
         except AutoparError as exc:
-            if len(tried) == 1 or (name == "one_mesh" and exc.kind is not ErrorKind.INFEASIBLE_MEMORY):
+            fallback = over_hosts and exc.kind is ErrorKind.INFEASIBLE_MEMORY
+            if (len(tried) == 1 and not fallback) or (name == "one_mesh" and exc.kind is not ErrorKind.INFEASIBLE_MEMORY):
                 raise
             entries[name] = {"predicted_step_s": None, "feasible": False}
             if exc.kind is ErrorKind.INFEASIBLE_MEMORY:
@@ -69,6 +75,16 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
             else:  # not applicable to this model (batch, layers, tied weights …): say why, go on
                 entries[name]["skipped"] = exc.message
                 log.info("%s plans skipped: %s", name, exc.message)
+    if not found and over_hosts:
+        log.info("no plan over one mesh fits: trying pipeline stages over the %d hosts", cluster.hosts)
+        try:
+            found["pipeline"] = FAMILIES["pipeline"].plan(graphs, cluster, dataclasses.replace(options, pipeline=True))
+            entries["pipeline"] = {"predicted_step_s": found["pipeline"].predicted_step_s, "feasible": True}
+        except AutoparError as exc:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                entries["pipeline"] = {"predicted_step_s": None, "feasible": False, "skipped": exc.message}
+            else:
+                entries["pipeline"] = {"predicted_step_s": None, "feasible": False, "reason": "does not fit in memory"}
     if not found:
         raise error
     best = min(found.values(), key=lambda p: p.predicted_step_s)

@@ -57,25 +57,89 @@ def groups_unavailable(cluster: Cluster, options: PlanOptions) -> str | None:
     return None
 
 
+# recompute option -> the modes a search over device groups tries, in order (the first that fits wins)
+RECOMPUTE_MODES = {"auto": ("none", "selective", "full"), "none": ("none",), "selective": ("selective",),
+                   "full": ("full",)}
+
+
+def first_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
+    """``plan_with(options)`` under each recompute mode ``options.recompute`` allows, in order,
+    until one fits in memory: keeping every activation is fastest, recomputing the cheap ops
+    of every layer (selective) frees memory for a little more forward work, whole layers
+    (full) the most."""
+    modes = RECOMPUTE_MODES[options.recompute]
+    for mode in modes[:-1]:
+        try:
+            return plan_with(dataclasses.replace(options, recompute=mode))
+        except AutoparError as exc:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                raise
+            log.info("no plan over the device groups fits with recompute=%s: trying the next mode", mode)
+    return plan_with(dataclasses.replace(options, recompute=modes[-1]))
+
+
 class PipelineStages:
     """Family "pipeline": stages over the cluster's device groups, in their order."""
 
     name = "pipeline"
 
     def unavailable(self, cluster: Cluster, options: PlanOptions) -> str | None:
-        return groups_unavailable(cluster, options)
+        if len(cluster.groups()) > 1 or options.mesh_shape or options.configuration:
+            return groups_unavailable(cluster, options)
+        if cluster.hosts < 2:
+            return "the cluster has one device group (give it regions, or hosts, to pipeline over)"
+        if not options.forced(self.name):
+            return ("its devices are of one kind in one region: stages over its hosts are planned when asked "
+                    "(pipeline=True) or when no plan over one mesh fits")
+        return None
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """The best pipeline plan over ``cluster.groups()``. Sparse tables and MoE experts are
         planned inside their stage as on one mesh (touched rows and expert loads per micro-batch).
-        Stages keep their activations (recomputation inside stages is not lowered yet)."""
-        options = dataclasses.replace(options, recompute="none")
+        Activation checkpointing as on one mesh: ``recompute="auto"`` keeps every activation
+        when some cut fits, else recomputes the cheap ops of every layer (selective), else whole
+        layers (full); "none", "selective" and "full" ask for one of them."""
+        if len(cluster.groups()) > 1:
+            return first_that_fits(options, lambda chosen: self._plan(graphs, cluster, chosen))
+        return self._over_hosts(graphs, cluster, options)
+
+    def _over_hosts(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
+        """Stages over the hosts of a cluster of one kind: every split of its hosts into k equal
+        groups of consecutive hosts (k dividing the hosts, at most one per layer; the stages talk
+        over the hosts' network, each lane on its own path), each searched as over regions; the
+        fastest that fits."""
+        layers = len(layer_order(graphs.full.graph))
+        counts = [k for k in range(2, min(cluster.hosts, layers) + 1) if cluster.hosts % k == 0]
+        if not counts:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"{type(graphs.model).__name__} has {layers} layers (indexed "
+                               f"modules such as blocks.0) and {cluster.describe()} {cluster.hosts} hosts: no split of "
+                               "the hosts into 2 or more equal stages of at least one layer each")
+        best, error = None, None
+        for k in counts:
+            hosts = cluster.host_stages(k)
+            try:
+                plan = first_that_fits(options, lambda chosen: self._plan(graphs, hosts, chosen, shared_links=False))
+            except AutoparError as exc:
+                if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                    raise
+                error = error or exc
+                continue
+            log.info("%d stages over the hosts: predicted step %.3g s", k, plan.predicted_step_s)
+            if best is None or plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
+                best = plan
+        if best is None:
+            raise error
+        return best
+
+    def _plan(self, graphs, cluster: Cluster, options: PlanOptions, shared_links: bool = True) -> Plan:
+        """``shared_links``: the lanes of two groups share the link between them (a WAN link
+        between regions); else each lane has its own path (hosts of one network)."""
         groups = cluster.groups()
         start = time.perf_counter()
         best, tried, smallest = None, [], None
         for m in _micro_batch_counts(graphs.inputs, len(groups), options.micro_batches):
             captured = graphs.at_rows(graphs.inputs[0].shape[0] // m)
-            stages = _StageCosts(captured, cluster, groups, m, options)
+            stages = _StageCosts(captured, cluster, groups, m, options, shared_links)
             if len(stages.layers) < len(groups):
                 raise AutoparError(ErrorKind.BAD_INPUT,
                                    f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "
@@ -115,13 +179,18 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     stage's own placements depend only on its group, so where only the links between groups
     changed they are the plan's), the sends costed on the new links. An AutoparError where the
     plan's device groups are not the cluster's."""
+    over_hosts = len(cluster.groups()) == 1 and cluster.hosts > 1 and cluster.hosts % len(plan.stages) == 0
+    if over_hosts:  # stages over the hosts of one kind
+        cluster = cluster.host_stages(len(plan.stages))
     groups = cluster.groups()
     if [(g.name, g.ranks) for g in groups] != [(st.group, tuple(st.ranks)) for st in plan.stages]:
         raise AutoparError(ErrorKind.BAD_PLAN, f"its stages run on groups {[st.group for st in plan.stages]}, the "
                            f"cluster's are {[g.name for g in groups]} (or of other sizes)")
     m = plan.micro_batches
-    options = dataclasses.replace(options, recompute="none", schedule=plan.schedule)
-    stages = _StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options)
+    options = dataclasses.replace(options, recompute=next(iter(plan.recompute.values()), "none"),
+                                  schedule=plan.schedule)
+    stages = _StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options,
+                         shared_links=not over_hosts)
     layers = [layer for st in plan.stages for layer in st.layers]
     if layers != stages.layers:
         raise AutoparError(ErrorKind.BAD_PLAN, "its stages hold other layers than the model has; re-plan")
@@ -151,12 +220,13 @@ class _StageCosts:
     """Stage plans for one micro-batch size, solved once per distinct stage."""
 
     def __init__(self, captured: Captured, cluster: Cluster, groups: list[DeviceGroup], micro_batches: int,
-                 options: PlanOptions) -> None:
+                 options: PlanOptions, shared_links: bool = True) -> None:
         annotate_costs(captured.graph)
         annotate_saved(captured.graph)
         for node in captured.graph.nodes:  # stage graphs copy meta: strategies enumerated once per mesh
             node.meta[MEMO_KEY] = {}
         self.captured, self.cluster, self.groups = captured, cluster, groups
+        self.shared_links = shared_links  # the lanes of two groups share the link between them
         self.micro_batches, self.schedule, self.options = micro_batches, options.schedule, options
         self.layers = layer_order(captured.graph)
         signature = layer_signatures(captured)
@@ -214,7 +284,7 @@ class _StageCosts:
             trips = 2 if val.dtype.is_floating_point else 1
             sliced = lane_slice_dim(val, lanes) is not None
             per_lane = tensor_bytes(val) // (lanes if sliced else 1)
-            sharing = lanes if here.name != there.name else 1  # lanes over one WAN link
+            sharing = lanes if here.name != there.name and self.shared_links else 1  # lanes over one WAN link
             busy += trips * sharing * per_lane / link.bandwidth_Bps
             latency += trips * link.latency_s
             if sliced:
@@ -288,8 +358,20 @@ class _StageCosts:
             options={**self.options.recorded(), "pipeline": True},
             sparse={k: v for plan in stage_plans for k, v in plan.sparse.items()},
             experts={k: v for plan in stage_plans for k, v in plan.experts.items()},
+            recompute={k: v for plan in stage_plans for k, v in plan.recompute.items()},
+            recompute_cost=_recompute_cost(stage_plans),
             stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m), family="pipeline",
             timings={"plan_s": time.perf_counter() - start})
+
+
+def _recompute_cost(stage_plans: list[Plan]) -> dict[str, float]:
+    """A pipeline's recomputation: the reruns of every stage (per micro-batch), and the
+    activations the fullest stage keeps."""
+    costs = [plan.recompute_cost for plan in stage_plans if plan.recompute_cost]
+    if not costs:
+        return {}
+    return {"rerun_s": sum(c["rerun_s"] for c in costs),
+            "activations_kept_bytes": max(c["activations_kept_bytes"] for c in costs)}
 
 
 def _no_fit(cluster: Cluster, groups: list[DeviceGroup], worst: tuple[str, int] | None) -> AutoparError:

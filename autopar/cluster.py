@@ -65,6 +65,8 @@ class Cluster:
     # of their own hosts; ``device`` and ``memory_limit_bytes`` are then the slowest and the
     # smallest, what one uniform mesh over every device runs at
     region_clusters: tuple[tuple[str, "Cluster"], ...] = ()
+    # after host_stages: each group's region (lanes of groups in two regions share their WAN link)
+    group_regions: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_spec(cls, spec: "str | Cluster", memory_limit_bytes: int | None = None) -> "Cluster":
@@ -176,18 +178,40 @@ class Cluster:
             return f"{self.devices_per_host}x{self.device.name}"
         return f"{self.hosts}x{self.devices_per_host}x{self.device.name}"
 
-    def host_stages(self, stages: int) -> "Cluster":
-        """This one-region cluster as ``stages`` groups of consecutive hosts, each a region of
-        its own joined to the others by the hosts' network (``inter_link``): the device groups
-        pipeline stages over hosts of one kind run on (issue 21). ``stages`` divides the hosts."""
-        if self.host_regions or self.hosts % stages:
-            raise AutoparError(ErrorKind.BAD_CLUSTER, f"{self.describe()} does not split into {stages} equal groups "
-                               "of hosts (a cluster with regions pipelines over its regions)")
-        per = self.hosts // stages
-        names = [f"hosts{s * per}-{(s + 1) * per - 1}" if per > 1 else f"host{s}" for s in range(stages)]
-        return dataclasses.replace(self, host_regions=tuple(names[h // per] for h in range(self.hosts)),
-                                   wan_links=tuple((a, b, self.inter_link) for i, a in enumerate(names)
-                                                   for b in names[i + 1:]), region_clusters=())
+    def host_stages(self, per_region: int) -> "Cluster":
+        """This cluster with each region's hosts cut into ``per_region`` groups of consecutive
+        hosts, each group a region of its own (the device groups pipeline stages run on; issue
+        21): groups of one region are joined by its hosts' network (``inter_link``), groups of
+        two regions by the WAN link between those. ``per_region`` divides every region's hosts."""
+        regions = list(dict.fromkeys(self.host_regions)) or ["default"]
+        own = dict(self.region_clusters)
+        names, home, clusters, group_of = [], [], [], {}
+        for region in regions:
+            hosts = [h for h in range(self.hosts) if self.region_of(h) == region]
+            if len(hosts) % per_region:
+                raise AutoparError(ErrorKind.BAD_CLUSTER, f"region {region!r} of {self.describe()} has {len(hosts)} "
+                                   f"hosts: they do not split into {per_region} equal groups")
+            per = len(hosts) // per_region
+            for g in range(per_region):
+                mine = hosts[g * per:(g + 1) * per]
+                span = f"hosts{mine[0]}-{mine[-1]}" if per > 1 else f"host{mine[0]}"
+                names.append(span if region == "default" else f"{region}/{span}")
+                home.append(region)
+                group_of.update(dict.fromkeys(mine, names[-1]))
+                if region in own:
+                    clusters.append((names[-1], dataclasses.replace(own[region], hosts=per)))
+        wan = []
+        for i, a in enumerate(names):
+            for j in range(i + 1, len(names)):
+                inside = own[home[i]].inter_link if home[i] in own else self.inter_link
+                wan.append((a, names[j], inside if home[i] == home[j] else self.wan_link(home[i], home[j])))
+        return dataclasses.replace(self, host_regions=tuple(group_of[h] for h in range(self.hosts)),
+                                   wan_links=tuple(wan), region_clusters=tuple(clusters),
+                                   group_regions=tuple(zip(names, home)))
+
+    def home_region(self, group: str) -> str:
+        """The region a device group lies in: itself, or the region a host split cut it from."""
+        return dict(self.group_regions).get(group, group)
 
     def with_link(self, which: str, bandwidth_Bps: float, latency_s: float | None = None) -> "Cluster":
         """This cluster with one link changed (``autopar replan --link``): ``"intra_node"`` (the

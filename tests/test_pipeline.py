@@ -196,6 +196,34 @@ def test_hosts_of_one_kind_get_pipeline_stages_when_asked_or_when_one_mesh_canno
     assert auto.families["one_mesh"]["feasible"] is False and auto.families["pipeline"]["feasible"]
 
 
+def test_regions_of_several_hosts_may_hold_several_stages(tmp_path):
+    """Regions bound stages from above: with 2 hosts in each of 2 regions, stages run on the
+    regions or on each region's hosts (4 stages), hosts of one region joined by their network
+    and each lane on its own path there, groups of two regions by the WAN link (shared by the
+    lanes). The search keeps the faster, and re-costs it exactly."""
+    from autopar.planning import ModelGraphs, PlanOptions
+    from autopar.planning.pipeline import recost_pipeline, stage_groupings
+
+    path = tmp_path / "regions.yaml"
+    path.write_text("regions:\n  a: {device: cpu, nodes: 2, per_node: 1}\n  b: {device: cpu, nodes: 2, per_node: 1}\n"
+                    "links:\n  - {between: [a, b], bandwidth_GBps: 0.5, latency_ms: 2}\n")
+    cluster = Cluster.from_spec(str(path))
+    torch.manual_seed(0)
+    model, x = GPT(vocab=64, layers=4), torch.randint(0, 64, (8, 16))
+    graphs = ModelGraphs(model, (x,))
+    regions, hosts = stage_groupings(graphs, cluster)
+    assert [g.name for g in regions.groups()] == ["a", "b"]
+    assert [g.name for g in hosts.groups()] == ["a/host0", "a/host1", "b/host2", "b/host3"]
+    assert hosts.wan_link("a/host0", "a/host1") == cluster.inter_link
+    assert hosts.wan_link("a/host1", "b/host2") == cluster.wan_link("a", "b")
+    assert hosts.home_region("a/host1") == "a" != hosts.home_region("b/host2")
+    plan = autopar.plan(model, (x,), cluster=str(path), pipeline=True)
+    assert len(plan.stages) in (2, 4) and [layer for st in plan.stages for layer in st.layers] == [
+        f"blocks.{k}" for k in range(4)]
+    assert recost_pipeline(graphs, plan, cluster, PlanOptions.of_plan(plan)) == pytest.approx(plan.predicted_step_s,
+                                                                                             rel=1e-9)
+
+
 @pytest.mark.distributed
 def test_stages_over_hosts_train_like_one_process():
     """Two hosts of one kind, one stage each: training equals the single-process model."""

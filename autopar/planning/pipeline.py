@@ -62,6 +62,23 @@ RECOMPUTE_MODES = {"auto": ("none", "selective", "full"), "none": ("none",), "se
                    "full": ("full",)}
 
 
+def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
+    """The device groupings pipeline stages may run on: the regions (when there are several),
+    and every cut of each region's hosts into k equal groups of consecutive hosts (k dividing
+    every region's host count, at most one stage per layer; Cluster.host_stages)."""
+    layers = len(layer_order(graphs.full.graph))
+    regions = cluster.groups()
+    hosts = [g.cluster.hosts for g in regions]
+    views = [cluster] if len(regions) > 1 else []
+    views += [cluster.host_stages(k) for k in range(2, min(hosts) + 1)
+              if all(h % k == 0 for h in hosts) and k * len(regions) <= layers]
+    if not views:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"{type(graphs.model).__name__} has {layers} layers (indexed modules "
+                           f"such as blocks.0) and {cluster.describe()} no split of its hosts into 2 or more equal "
+                           "stages of at least one layer each")
+    return views
+
+
 def first_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
     """``plan_with(options)`` under each recompute mode ``options.recompute`` allows, in order,
     until one fits in memory: keeping every activation is fastest, recomputing the cheap ops
@@ -94,52 +111,34 @@ class PipelineStages:
         return None
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
-        """The best pipeline plan over ``cluster.groups()``. Sparse tables and MoE experts are
-        planned inside their stage as on one mesh (touched rows and expert loads per micro-batch).
-        Activation checkpointing as on one mesh: ``recompute="auto"`` keeps every activation
-        when some cut fits, else recomputes the cheap ops of every layer (selective), else whole
-        layers (full); "none", "selective" and "full" ask for one of them."""
-        if len(cluster.groups()) > 1:
-            return first_that_fits(options, lambda chosen: self._plan(graphs, cluster, chosen))
-        return self._over_hosts(graphs, cluster, options)
-
-    def _over_hosts(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
-        """Stages over the hosts of a cluster of one kind: every split of its hosts into k equal
-        groups of consecutive hosts (k dividing the hosts, at most one per layer; the stages talk
-        over the hosts' network, each lane on its own path), each searched as over regions; the
-        fastest that fits."""
-        layers = len(layer_order(graphs.full.graph))
-        counts = [k for k in range(2, min(cluster.hosts, layers) + 1) if cluster.hosts % k == 0]
-        if not counts:
-            raise AutoparError(ErrorKind.BAD_INPUT, f"{type(graphs.model).__name__} has {layers} layers (indexed "
-                               f"modules such as blocks.0) and {cluster.describe()} {cluster.hosts} hosts: no split of "
-                               "the hosts into 2 or more equal stages of at least one layer each")
+        """The best pipeline plan over the cluster's device groups: its regions, and each
+        region's hosts cut into k equal groups of consecutive hosts (:func:`stage_groupings`;
+        a cluster of one kind only the latter). Sparse tables and MoE experts are planned inside
+        their stage as on one mesh (touched rows and expert loads per micro-batch). Activation
+        checkpointing as on one mesh (:func:`first_that_fits`)."""
         best, error = None, None
-        for k in counts:
-            hosts = cluster.host_stages(k)
+        for view in stage_groupings(graphs, cluster):
             try:
-                plan = first_that_fits(options, lambda chosen: self._plan(graphs, hosts, chosen, shared_links=False))
+                plan = first_that_fits(options, lambda chosen: self._plan(graphs, view, chosen))
             except AutoparError as exc:
                 if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
                     raise
                 error = error or exc
                 continue
-            log.info("%d stages over the hosts: predicted step %.3g s", k, plan.predicted_step_s)
+            log.info("%d stages on %s: predicted step %.3g s", len(plan.stages), view.describe(), plan.predicted_step_s)
             if best is None or plan.predicted_step_s < best.predicted_step_s * (1 - 1e-9):
                 best = plan
         if best is None:
             raise error
         return best
 
-    def _plan(self, graphs, cluster: Cluster, options: PlanOptions, shared_links: bool = True) -> Plan:
-        """``shared_links``: the lanes of two groups share the link between them (a WAN link
-        between regions); else each lane has its own path (hosts of one network)."""
+    def _plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         groups = cluster.groups()
         start = time.perf_counter()
         best, tried, smallest = None, [], None
         for m in _micro_batch_counts(graphs.inputs, len(groups), options.micro_batches):
             captured = graphs.at_rows(graphs.inputs[0].shape[0] // m)
-            stages = _StageCosts(captured, cluster, groups, m, options, shared_links)
+            stages = _StageCosts(captured, cluster, groups, m, options)
             if len(stages.layers) < len(groups):
                 raise AutoparError(ErrorKind.BAD_INPUT,
                                    f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "
@@ -179,9 +178,10 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     stage's own placements depend only on its group, so where only the links between groups
     changed they are the plan's), the sends costed on the new links. An AutoparError where the
     plan's device groups are not the cluster's."""
-    over_hosts = len(cluster.groups()) == 1 and cluster.hosts > 1 and cluster.hosts % len(plan.stages) == 0
-    if over_hosts:  # stages over the hosts of one kind
-        cluster = cluster.host_stages(len(plan.stages))
+    regions = cluster.groups()
+    per_region = len(plan.stages) // len(regions)
+    if per_region > 1 and all(g.cluster.hosts % per_region == 0 for g in regions):  # stages over hosts
+        cluster = cluster.host_stages(per_region)
     groups = cluster.groups()
     if [(g.name, g.ranks) for g in groups] != [(st.group, tuple(st.ranks)) for st in plan.stages]:
         raise AutoparError(ErrorKind.BAD_PLAN, f"its stages run on groups {[st.group for st in plan.stages]}, the "
@@ -189,8 +189,7 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     m = plan.micro_batches
     options = dataclasses.replace(options, recompute=next(iter(plan.recompute.values()), "none"),
                                   schedule=plan.schedule)
-    stages = _StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options,
-                         shared_links=not over_hosts)
+    stages = _StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options)
     layers = [layer for st in plan.stages for layer in st.layers]
     if layers != stages.layers:
         raise AutoparError(ErrorKind.BAD_PLAN, "its stages hold other layers than the model has; re-plan")
@@ -220,13 +219,12 @@ class _StageCosts:
     """Stage plans for one micro-batch size, solved once per distinct stage."""
 
     def __init__(self, captured: Captured, cluster: Cluster, groups: list[DeviceGroup], micro_batches: int,
-                 options: PlanOptions, shared_links: bool = True) -> None:
+                 options: PlanOptions) -> None:
         annotate_costs(captured.graph)
         annotate_saved(captured.graph)
         for node in captured.graph.nodes:  # stage graphs copy meta: strategies enumerated once per mesh
             node.meta[MEMO_KEY] = {}
         self.captured, self.cluster, self.groups = captured, cluster, groups
-        self.shared_links = shared_links  # the lanes of two groups share the link between them
         self.micro_batches, self.schedule, self.options = micro_batches, options.schedule, options
         self.layers = layer_order(captured.graph)
         signature = layer_signatures(captured)
@@ -284,7 +282,8 @@ class _StageCosts:
             trips = 2 if val.dtype.is_floating_point else 1
             sliced = lane_slice_dim(val, lanes) is not None
             per_lane = tensor_bytes(val) // (lanes if sliced else 1)
-            sharing = lanes if here.name != there.name and self.shared_links else 1  # lanes over one WAN link
+            # lanes of two regions share the WAN link between them; hosts of one region each have their own path
+            sharing = lanes if self.cluster.home_region(here.name) != self.cluster.home_region(there.name) else 1
             busy += trips * sharing * per_lane / link.bandwidth_Bps
             latency += trips * link.latency_s
             if sliced:

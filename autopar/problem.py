@@ -108,7 +108,7 @@ class ShardingProblem:
     @property
     def overlaps(self) -> bool:
         """Whether any collective kind overlaps (else no group is built)."""
-        return bool(self.overlap_efficiency) or any(eta for _, eta in self.collective_overlap)
+        return any_overlap(self.overlap_efficiency, self.collective_overlap)
 
     def weighted_parts(self, e: Edge, u: int, v: int) -> tuple[float, float, float, float]:
         """Edge ``e``'s class pair (u, v), once: (forward overlappable s, backward overlappable
@@ -189,6 +189,11 @@ class ShardingProblem:
 
     def feasible(self, choice: list[int]) -> bool:
         return math.isfinite(self.evaluate(choice)) and self.memory(choice) <= self.memory_limit_bytes
+
+
+def any_overlap(efficiency: float, by_kind: tuple[tuple[str, float], ...]) -> bool:
+    """Whether a device with these overlap efficiencies overlaps any collective kind at all."""
+    return bool(efficiency) or any(eta for _, eta in by_kind)
 
 
 def _least(a, b):

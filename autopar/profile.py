@@ -230,12 +230,12 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
         box = [{kind: round(eta, 3) for kind, eta in collective_overlap(max(sizes), repeats).items()}]
         dist.broadcast_object_list(box, src=0)
         overlap = box[0]
-        device = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"],
-                      **overlap_entries(overlap))
-        overhead = _calibrated_op_overhead(device, world, repeats)
+        calibrated = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"],
+                          **overlap_entries(overlap))
+        overhead = _calibrated_op_overhead(calibrated, world, repeats)
         if rank == 0:
             with open(out, "w") as f:
-                f.write(repr((link, overhead, overlap, {k: v for k, v in device.items() if k in _DEVICE_KEYS})))
+                f.write(repr((link, overhead, overlap, device)))
     finally:
         dist.destroy_process_group()
     # Device meshes still hold gloo groups; freeing them while the interpreter finalises aborts now
@@ -358,9 +358,6 @@ def fit_ring(sizes: list[int], times: list[float], n: int) -> tuple[float, float
     slope = max(slope, 1e-15)
     intercept = max(mean_t - slope * mean_x, 0.0)
     return 1.0 / slope, intercept / (2 * (n - 1))
-
-
-_DEVICE_KEYS = ("name", "peak_TFLOPS", "memory_GB", "memory_bandwidth_GBps", "op_class_efficiency")
 
 
 def _device_entry(name: str, world: int, quick: bool) -> dict:

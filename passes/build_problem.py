@@ -34,7 +34,7 @@ from autopar import placements as pl
 from autopar.comm import DDP_BUCKET_BYTES, all_to_all_s
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
-from autopar.problem import Edge, ShardingProblem
+from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
@@ -107,8 +107,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     collective kind, any ≠ 0): each layer (the nodes outside every layer: one more group) is an
     overlap group — its parameters' collectives (weight gathers, prefetched one layer ahead as
     FSDP2 does, and gradient reductions, issued during backward as DDP's buckets are) run beside
-    its compute for the fraction η of their kind (autopar.problem, solvers.formulation); every
-    other collective (a freed weight's backward re-gather too) stays on the critical path.
+    its compute for the fraction η of their kind (autopar.problem, solvers.formulation), and so
+    does the backward re-gather of a weight freed after forward (FSDP2 prefetches it); every
+    other collective stays on the critical path.
     Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed.
     ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency)."""
     graph = captured.graph
@@ -215,7 +216,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     fallback.append(False)
 
     weights = _parameter_views(graph, captured)
-    overlaps = bool(overlap_efficiency) or any(eta for _, eta in collective_overlap)
+    overlaps = any_overlap(overlap_efficiency, collective_overlap)
     edges: list[Edge] = []
     edge_at: dict[tuple, int] = {}  # identical graph edges (same representatives) -> one problem edge
     edge_of: dict[tuple[str, str, int], int] = {}

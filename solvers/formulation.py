@@ -10,35 +10,36 @@ Variables (x first, in node order, then y in edge order)
                             allowed pairs, and only on edges with two or more classes on both
                             sides; classes group strategies that give the same placement on that
                             edge, so y is small)
-    z[g,φ] ≥ 0              seconds: η·max(C_gφ, O_gφ) of overlap group g (a layer) in phase φ
+    z[g,φ] ≥ 0              seconds: max(C_gφ, W_gφ) of overlap group g (a layer) in phase φ
                             (forward, backward), only where overlappable (parameter) communication
-                            falls and η > 0
+                            falls and some collective kind's η ≠ 0
 Objective (seconds of one training step)
     min Σ_i n_i Σ_s c[i,s]·x[i,s] + Σ_e n_e Σ_{u,v} R[e,u,v]·y[e,u,v]
         + Σ_{folded e} n_e Σ_v R[e,u₀,v]·Σ_{t ∈ v} x[dst(e),t]   (mirrored for a single consumer class)
-        + Σ_{g,φ} (z[g,φ] − η·C_gφ − η·O_gφ)
+        + Σ_{g,φ} (z[g,φ] − C_gφ − W_gφ)
     (n_i, n_e: how many identical graph nodes / edges of repeated layers the term stands for;
     the memory row is weighted the same way)
     C_gφ = Σ_{i ∈ g} n_i Σ_s c_φ[i,s]·x[i,s]   the group's compute in phase φ: forward is the op's
              forward time, backward the rest of c[i,s] less comm[i,s] (a node's own exchange —
              an expert dispatch, a sparse exchange — is critical-path communication)
-    O_gφ = Σ_{e ∈ g} n_e (e's R terms as above, their phase-φ part)   overlappable communication:
+    W_gφ = Σ_{e ∈ g} n_e Σ_k η_k·(e's phase-φ part of kind k, on the R terms as above)
+             overlappable communication weighted by its collective kind's η (problem.weighted_parts):
              a parameter's gathers in forward (when prefetched; else they stay in the edge cost,
-             exposed); its gradient reduction and the
-             re-gather of a freed weight in backward
-    At the optimum z[g,φ] = η·max(C_gφ, O_gφ), so group g costs Σ_φ C_gφ + O_gφ − η·min(C_gφ, O_gφ):
-    a compute stream and a communication stream per phase, overlappable collectives hidden
-    behind the layer's compute of the same phase for the fraction η the device reaches (issue
-    20; FSDP2 prefetches the next layer's gather and reduce-scatters during backward). The
-    epigraph keeps the model linear and its optimum exact.
+             exposed); the re-gather of a freed weight and its gradient's reduction in backward
+    At the optimum z[g,φ] = max(C_gφ, W_gφ), so group g costs Σ_φ C_gφ + O_gφ − min(C_gφ, W_gφ):
+    a compute stream and a communication stream per phase, each collective running the
+    fraction η_k of its kind beside the layer's compute of the same phase and stalling it for
+    the rest (issue 20; FSDP2 prefetches the next layer's gather and reduce-scatters during
+    backward). η_k < 0 (overlap that slows both streams) needs nothing more: max stays convex.
+    The epigraph keeps the model linear and its optimum exact.
 Constraint families (one method each; a row's name says its family and node or edge)
     one_strategy[i]:      Σ_s x[i,s] = 1                                ∀ i
     edge_rows[e,u]:       Σ_v y[e,u,v] = Σ_{s ∈ u} x[src(e),s]          ∀ paired e, u
     edge_cols[e,v]:       Σ_u y[e,u,v] = Σ_{t ∈ v} x[dst(e),t]          ∀ paired e, v
     edge_forbidden[e,t]:  x[dst(e),t] = 0    folded e, R[e,u₀,class(t)] not allowed (mirrored)
     memory:               Σ_i n_i Σ_s m[i,s]·x[i,s] ≤ M                 (bytes per device)
-    overlap_compute[g,φ]: z[g,φ] − η·C_gφ ≥ 0                           ∀ g, φ
-    overlap_comm[g,φ]:    z[g,φ] − η·O_gφ ≥ 0                           ∀ g, φ
+    overlap_compute[g,φ]: z[g,φ] − C_gφ ≥ 0                             ∀ g, φ
+    overlap_comm[g,φ]:    z[g,φ] − W_gφ ≥ 0                             ∀ g, φ
     fixed[i]:             x[i,s] = 1         problem.fixed (baselines pin parameters, inputs)
     excluded[i,s]:        x[i,s] = 0         problem.excluded
 

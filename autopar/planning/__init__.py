@@ -60,31 +60,33 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
     # a cluster of one kind pipelines over its hosts when no plan over one mesh fits
     over_hosts = "pipeline" not in tried and options.forced("pipeline") is None and not options.forced("replicas") \
         and not FAMILIES["pipeline"].unavailable(cluster, dataclasses.replace(options, pipeline=True))
-    for name in tried:
+    def attempt(name: str, family_options: PlanOptions) -> AutoparError | None:
+        """Plan family ``name``: its plan, or why it found none, recorded; the error returned."""
         try:
-            found[name] = FAMILIES[name].plan(graphs, cluster, options)
-            entries[name] = {"predicted_step_s": found[name].predicted_step_s, "feasible": True}
+            found[name] = FAMILIES[name].plan(graphs, cluster, family_options)
         except AutoparError as exc:
-            fallback = over_hosts and exc.kind is ErrorKind.INFEASIBLE_MEMORY
-            if (len(tried) == 1 and not fallback) or (name == "one_mesh" and exc.kind is not ErrorKind.INFEASIBLE_MEMORY):
-                raise
             entries[name] = {"predicted_step_s": None, "feasible": False}
             if exc.kind is ErrorKind.INFEASIBLE_MEMORY:
                 entries[name]["reason"] = "does not fit in memory"
-                error = error or exc
             else:  # not applicable to this model (batch, layers, tied weights …): say why, go on
                 entries[name]["skipped"] = exc.message
                 log.info("%s plans skipped: %s", name, exc.message)
+            return exc
+        entries[name] = {"predicted_step_s": found[name].predicted_step_s, "feasible": True}
+        return None
+
+    for name in tried:
+        exc = attempt(name, options)
+        if exc is None:
+            continue
+        fallback = over_hosts and exc.kind is ErrorKind.INFEASIBLE_MEMORY
+        if (len(tried) == 1 and not fallback) or (name == "one_mesh" and exc.kind is not ErrorKind.INFEASIBLE_MEMORY):
+            raise exc
+        if exc.kind is ErrorKind.INFEASIBLE_MEMORY:
+            error = error or exc
     if not found and over_hosts:
         log.info("no plan over one mesh fits: trying pipeline stages over the %d hosts", cluster.hosts)
-        try:
-            found["pipeline"] = FAMILIES["pipeline"].plan(graphs, cluster, dataclasses.replace(options, pipeline=True))
-            entries["pipeline"] = {"predicted_step_s": found["pipeline"].predicted_step_s, "feasible": True}
-        except AutoparError as exc:
-            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-                entries["pipeline"] = {"predicted_step_s": None, "feasible": False, "skipped": exc.message}
-            else:
-                entries["pipeline"] = {"predicted_step_s": None, "feasible": False, "reason": "does not fit in memory"}
+        attempt("pipeline", dataclasses.replace(options, pipeline=True))
     if not found:
         raise error
     best = min(found.values(), key=lambda p: p.predicted_step_s)

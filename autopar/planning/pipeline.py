@@ -65,18 +65,14 @@ RECOMPUTE_MODES = {"auto": ("none", "selective", "full"), "none": ("none",), "se
 def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
     """The device groupings pipeline stages may run on: the regions (when there are several),
     and every cut of each region's hosts into k equal groups of consecutive hosts (k dividing
-    every region's host count, at most one stage per layer; Cluster.host_stages)."""
+    every region's host count, at most one stage per layer; Cluster.host_stages). None may
+    fit the model: fewer layers than groups."""
     layers = len(layer_order(graphs.full.graph))
     regions = cluster.groups()
     hosts = [g.cluster.hosts for g in regions]
     views = [cluster] if len(regions) > 1 else []
-    views += [cluster.host_stages(k) for k in range(2, min(hosts) + 1)
-              if all(h % k == 0 for h in hosts) and k * len(regions) <= layers]
-    if not views:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"{type(graphs.model).__name__} has {layers} layers (indexed modules "
-                           f"such as blocks.0) and {cluster.describe()} no split of its hosts into 2 or more equal "
-                           "stages of at least one layer each")
-    return views
+    return views + [cluster.host_stages(k) for k in range(2, min(hosts) + 1)
+                    if all(h % k == 0 for h in hosts) and k * len(regions) <= layers]
 
 
 def first_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
@@ -116,8 +112,14 @@ class PipelineStages:
         a cluster of one kind only the latter). Sparse tables and MoE experts are planned inside
         their stage as on one mesh (touched rows and expert loads per micro-batch). Activation
         checkpointing as on one mesh (:func:`first_that_fits`)."""
+        views = stage_groupings(graphs, cluster)
+        if not views:
+            layers = len(layer_order(graphs.full.graph))
+            raise AutoparError(ErrorKind.BAD_INPUT, f"{type(graphs.model).__name__} has {layers} layers (indexed "
+                               f"modules such as blocks.0) and {cluster.describe()} no split of its hosts into 2 or "
+                               "more equal stages of at least one layer each")
         best, error = None, None
-        for view in stage_groupings(graphs, cluster):
+        for view in views:
             try:
                 plan = first_that_fits(options, lambda chosen: self._plan(graphs, view, chosen))
             except AutoparError as exc:
@@ -178,14 +180,13 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     stage's own placements depend only on its group, so where only the links between groups
     changed they are the plan's), the sends costed on the new links. An AutoparError where the
     plan's device groups are not the cluster's."""
-    regions = cluster.groups()
-    per_region = len(plan.stages) // len(regions)
-    if per_region > 1 and all(g.cluster.hosts % per_region == 0 for g in regions):  # stages over hosts
-        cluster = cluster.host_stages(per_region)
+    wanted = [(st.group, tuple(st.ranks)) for st in plan.stages]
+    cluster = next((view for view in stage_groupings(graphs, cluster)
+                    if [(g.name, g.ranks) for g in view.groups()] == wanted), None)
+    if cluster is None:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"its stages run on groups {[st.group for st in plan.stages]}, which "
+                           "no grouping of this cluster's regions or hosts gives")
     groups = cluster.groups()
-    if [(g.name, g.ranks) for g in groups] != [(st.group, tuple(st.ranks)) for st in plan.stages]:
-        raise AutoparError(ErrorKind.BAD_PLAN, f"its stages run on groups {[st.group for st in plan.stages]}, the "
-                           f"cluster's are {[g.name for g in groups]} (or of other sizes)")
     m = plan.micro_batches
     options = dataclasses.replace(options, recompute=next(iter(plan.recompute.values()), "none"),
                                   schedule=plan.schedule)

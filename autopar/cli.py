@@ -14,6 +14,7 @@ import sys
 
 from autopar.errors import AutoparError, ErrorKind, first_line
 from autopar.model_files import UsageError, load_model
+from autopar.units import format_bytes
 
 EXAMPLES = {
     "plan": "autopar plan examples.gpt:build --cluster 2x8xH100 -o plan.json\n"
@@ -34,15 +35,11 @@ EXAMPLES = {
 
 def _writable_output(path: str | None) -> None:
     """Refuse an output path that cannot be written before any work is done."""
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise UsageError(f"output {path} is a folder; give a file path, e.g. {os.path.join(path, 'plan.json')}")
-    if not os.path.isdir(folder):
-        raise UsageError(f"cannot write {path}: folder {folder} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write {path}: folder {folder} is not writable")
+    from autopar.plan import output_problem
+
+    problem = None if path is None else output_problem(path)
+    if problem:
+        raise UsageError(problem)
 
 
 def summary_json(plan) -> dict:
@@ -138,17 +135,21 @@ def _cmd_plan(args) -> int:
         plan = _plan_for_cli(autopar, args, model, inputs)
     result = summary_json(plan)
     if args.batch_size:  # the plan re-costed from its formulas: no re-tracing
+        limit = plan.cluster["memory_limit_bytes"]
         result["batch_sweep"] = [{"batch_size": b, "predicted_step_s": plan.predict(b),
-                                  "samples_per_s": b / plan.predict(b)} for b in args.batch_size]
-    if args.output:  # last: a command that fails writes nothing
+                                  "samples_per_s": b / plan.predict(b), "memory_bytes": plan.predict_memory(b),
+                                  "fits": plan.predict_memory(b) <= limit} for b in args.batch_size]
+    if args.output is not None:  # last: a command that fails writes nothing
         plan.save(args.output)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print(summary(plan))
         for row in result.get("batch_sweep", []):
+            fits = "" if row["fits"] else (f" — does not fit: needs {format_bytes(row['memory_bytes'])} per device, "
+                                           f"has {format_bytes(plan.cluster['memory_limit_bytes'])}")
             print(f"batch {row['batch_size']}: predicted step {row['predicted_step_s'] * 1e3:.4g} ms, "
-                  f"{row['samples_per_s']:.4g} samples/s")
+                  f"{row['samples_per_s']:.4g} samples/s, {format_bytes(row['memory_bytes'])} per device{fits}")
     return 0
 
 
@@ -179,7 +180,7 @@ def _cmd_replan(args) -> int:
     with _progress(f"loading {args.model}"):
         model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
         answer = autopar.replan(old, cluster, model, inputs, time_limit_s=args.time_limit, solver=args.solver)
-    if args.output:  # last: a command that fails writes nothing
+    if args.output is not None:  # last: a command that fails writes nothing
         answer.plan.save(args.output)
     if args.json:
         print(json.dumps({**summary_json(answer.plan), "replan": answer.to_json()}, indent=1))
@@ -245,13 +246,24 @@ def _cmd_validate(args) -> int:
     if names != set(plan.parameters):
         missing, extra = sorted(set(plan.parameters) - names), sorted(names - set(plan.parameters))
         problems.append(f"parameters differ: plan-only {missing[:5]}, model-only {extra[:5]}")
-    problems += placement_problems(plan, {fqn: tuple(p.shape) for fqn, p in model.named_parameters()})
+    problems += placement_problems(plan, {fqn: tuple(p.shape) for fqn, p in model.named_parameters()},
+                                   _output_shapes(captured.graph))
     result = {"valid": not problems, "problems": problems}
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print("plan matches the model" if not problems else "plan does not match the model:\n  " + "\n  ".join(problems))
     return 0 if not problems else 1
+
+
+def _output_shapes(graph) -> dict[str, tuple]:
+    """Each op node's output shapes (None for an output that is no tensor), as validate checks
+    the plan's node placements against them."""
+    def shapes(value) -> tuple:
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        return tuple(tuple(v.shape) if hasattr(v, "shape") else None for v in values)
+
+    return {n.name: shapes(n.meta.get("val")) for n in graph.nodes if n.op == "call_function"}
 
 
 def _cmd_devices(args) -> int:
@@ -447,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         _traceback_when_debugging(args)
         print(f"autopar {args.command}: {exc}", file=sys.stderr)
         return 2 if exc.kind in (ErrorKind.BAD_INPUT, ErrorKind.BAD_CLUSTER) else 1
+    except BrokenPipeError:  # the reader went away (`| head`): the rest of the output has no one to read it
+        _silence_stdout()
+        return 141  # a shell's status for a process ended by SIGPIPE
     except KeyboardInterrupt:  # files are written atomically at the end: nothing half-written exists
         print(f"autopar {args.command}: interrupted; nothing was written", file=sys.stderr)
         return 130
@@ -457,6 +472,14 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # a bug of ours, not the user's input: one line, the traceback on request
         return _internal_error(args, exc)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that Python's own flush at exit does not fail again on the
+    closed pipe (and print "Exception ignored … BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _debugging(args) -> bool:

@@ -23,7 +23,8 @@ import math
 
 import yaml
 
-from autopar.devices import COLLECTIVES, OP_CLASSES, OVERLAP_KINDS, DeviceSpec, Link, check_device_count, get_device
+from autopar.devices import (COLLECTIVES, MAX_LINK_BANDWIDTH_Bps, MAX_LINK_LATENCY_S, OP_CLASSES, OVERLAP_KINDS,
+                             DeviceSpec, Link, check_device_count, get_device)
 from autopar.errors import AutoparError, ErrorKind
 
 GB = 10**9
@@ -276,7 +277,8 @@ def _region(spec, where, key: tuple, custom: dict[str, DeviceSpec]) -> dict:
 
 
 def _number(value, where, key, allow_zero=False) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (value == 0 and not allow_zero):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0 \
+            or (value == 0 and not allow_zero):
         raise _fail(where(*key), f"`{key[-1]}` must be a {'non-negative' if allow_zero else 'positive'} number, "
                     f"got {value!r}")
     return float(value)
@@ -299,7 +301,20 @@ def _link(spec, default: Link, where, key: tuple) -> Link:
     for unit, scale in (("latency_us", 1e-6), ("latency_ms", 1e-3), ("latency_s", 1.0)):
         if unit in spec:
             latency = _number(spec[unit], where, key + (unit,), allow_zero=True) * scale
+    problem = link_problem(bandwidth, latency)
+    if problem:
+        raise _fail(where(*key), problem)
     return dataclasses.replace(default, bandwidth_Bps=bandwidth, latency_s=latency)
+
+
+def link_problem(bandwidth_Bps: float, latency_s: float | None) -> str | None:
+    """Why a link of this bandwidth and latency is no real link (a unit slipped), or None."""
+    if bandwidth_Bps > MAX_LINK_BANDWIDTH_Bps:
+        return (f"bandwidth {bandwidth_Bps / 1e9:.3g} GB/s is beyond any link ({MAX_LINK_BANDWIDTH_Bps / 1e9:,.0f} GB/s "
+                "at most): check the unit (GBps is gigabytes per second)")
+    if latency_s is not None and latency_s > MAX_LINK_LATENCY_S:
+        return f"latency {latency_s:.3g} s is beyond any link (a week at most): check the unit (us, ms or s)"
+    return None
 
 
 def _wan_links(links, specs: dict, where) -> tuple:
@@ -315,6 +330,13 @@ def _wan_links(links, specs: dict, where) -> tuple:
                 raise _fail(where("links", i, "between"), f"unknown region {name!r}; regions: {sorted(specs)}")
         if "bandwidth_GBps" not in spec:
             raise _fail(where("links", i), "a WAN link needs `bandwidth_GBps`")
+        if pair[0] == pair[1]:
+            raise _fail(where("links", i, "between"), f"links join two regions; [{pair[0]}, {pair[1]}] names one "
+                        "(the links inside a region are its intra_node and inter_node)")
+        earlier = next((k for k, (a, b, _) in enumerate(found) if {a, b} == set(pair)), None)
+        if earlier is not None:
+            raise _fail(where("links", i), f"a second link between {pair[0]!r} and {pair[1]!r} (the first is "
+                        f"links[{earlier}]); give each pair of regions one link")
         found.append((pair[0], pair[1], _link(spec, Link(0.0, 0.0), where, ("links", i))))
     names = sorted(specs)
     for a_index, a in enumerate(names):
@@ -337,6 +359,8 @@ def parse_link_change(text: str) -> tuple[str, float, float | None]:
     which, sep, value = text.partition("=")
     rate, _, latency = value.partition("@")
     bandwidth = _with_unit(rate, _BANDWIDTH_UNITS)
+    if bandwidth is not None and bandwidth > MAX_LINK_BANDWIDTH_Bps:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: {link_problem(bandwidth, None)}")
     if not sep or not which.strip() or bandwidth is None or bandwidth <= 0:
         raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: expected WHICH=BANDWIDTH[@LATENCY], e.g. "
                            "a-b=0.125GBps@40ms or inter_node=100Gbps (WHICH: intra_node, inter_node or two regions "
@@ -347,6 +371,8 @@ def parse_link_change(text: str) -> tuple[str, float, float | None]:
         if seconds is None or seconds < 0:
             raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: latency {latency!r} must be a number with us, "
                                "ms or s (e.g. 40ms)")
+        if link_problem(bandwidth, seconds):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: {link_problem(bandwidth, seconds)}")
     return which.strip(), bandwidth, seconds
 
 

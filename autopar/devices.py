@@ -204,6 +204,12 @@ for _spec in CATALOG:
         _BY_NAME[_key.lower()] = _spec
 
 
+# links faster than a petabyte per second or slower than a week per message are typos (a unit
+# slipped): cluster files and `replan --link` refuse them
+MAX_LINK_BANDWIDTH_Bps = 1e15
+MAX_LINK_LATENCY_S = 7 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class Link:
     """A point-to-point link: bandwidth per direction (bytes/s) and per-message latency (s).

@@ -9,7 +9,9 @@ happened, the numbers involved, and what to do about it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import os
 import traceback
 
@@ -58,3 +60,34 @@ def raised_at(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
         return "unknown location"
     code = (frames[-1].line or "").strip()
     return f"{frames[-1].filename}:{frames[-1].lineno}" + (f": `{code}`" if code else "")
+
+
+@contextlib.contextmanager
+def quiet_logs(*names: str):
+    """Keep the loggers ``names`` quiet while inside; yields the records they held back. Torch
+    logs a whole traceback for some failures (a fake kernel refusing a shape, an archive it
+    cannot read) right before raising; autopar's own one-line message says it once, quoting
+    the held-back record's cause where torch's exception does not carry it."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    loggers = [logging.getLogger(name) for name in names]
+    for lg in loggers:
+        lg.addFilter(hold)
+    try:
+        yield held
+    finally:
+        for lg in loggers:
+            lg.removeFilter(hold)
+
+
+def held_cause(records: list[logging.LogRecord]) -> str:
+    """``Type: first line`` of the exception the last of ``records`` logged, or ""."""
+    for record in reversed(records):
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            return f"{type(exc).__name__}: {first_line(exc)}"
+    return ""

@@ -8,11 +8,12 @@ user's module (the CLI shows that one with ``--debug``)."""
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import sys
 
-from autopar.errors import AutoparError, first_line, raised_at
+from autopar.errors import AutoparError, first_line, held_cause, quiet_logs, raised_at
 
 _INPUT = re.compile(r"^(?:(\w+)=)?(\d+(?:x\d+)*):(\w+)$")
 
@@ -29,7 +30,25 @@ def parse_input_spec(spec: str, device="cpu"):
     if match is None or not isinstance(getattr(torch, match.group(3), None), torch.dtype):
         raise UsageError(f"bad --input {spec!r}: write NAME=DIMxDIM:DTYPE, e.g. tokens=4x1024:int64")
     shape = tuple(int(d) for d in match.group(2).split("x"))
-    return torch.zeros(shape, dtype=getattr(torch, match.group(3)), device=device)
+    dtype = getattr(torch, match.group(3))
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > _input_bytes_cap():
+        raise UsageError(f"--input {spec!r} is a {_size(nbytes)} tensor, more than half this machine's memory "
+                         f"({_size(2 * _input_bytes_cap())}); the CLI builds example inputs as real tensors: give "
+                         "one step's shapes at a smaller batch, or a factory returning inputs on the meta device")
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _input_bytes_cap() -> int:
+    """Half the machine's memory: the most an example input built by the CLI may take."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no way to ask
+        return 2 ** 34
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:,.1f} GiB" if nbytes < 2 ** 70 else f"{float(nbytes):.3g}-byte"
 
 
 def load_model(target: str, input_specs: list[str], trust_pickle: bool):
@@ -53,10 +72,12 @@ def _load_model(target: str, trust_pickle: bool):
         if not os.path.exists(target):
             raise UsageError(f"model file {target!r} does not exist")
         try:
-            program = torch.export.load(target)
+            with quiet_logs("torch.export") as held:  # it logs the archive's traceback; the message says why
+                program = torch.export.load(target)
         except Exception as exc:  # torch raises zipfile's, its stream reader's and pickle's errors here
-            raise UsageError(f"cannot load {target}: it is not a readable torch.export archive "
-                             f"({type(exc).__name__}: {first_line(exc)}); save one with torch.export.save(...)") from exc
+            cause = held_cause(held) or f"{type(exc).__name__}: {first_line(exc)}"
+            raise UsageError(f"cannot load {target}: it is not a readable torch.export archive ({cause}); save one "
+                             "with torch.export.save(...)") from exc
         return program.module(), tuple(program.example_inputs[0]) if program.example_inputs else None
     if target.endswith((".pt", ".pth")):
         if not os.path.exists(target):
@@ -71,7 +92,7 @@ def _load_model(target: str, trust_pickle: bool):
         except Exception as exc:  # a truncated or foreign file: zipfile's, pickle's, torch's errors
             raise UsageError(f"cannot load {target}: it is not a readable torch.save file "
                              f"({type(exc).__name__}: {first_line(exc)})") from exc
-        return model, None
+        return _model_and_inputs(model, target)
     if ":" not in target:
         raise UsageError(f"cannot load model {target!r}: give a .pt2/.pt file or package.module:factory")
     module_name, factory_name = target.split(":", 1)
@@ -92,9 +113,26 @@ def _load_model(target: str, trust_pickle: bool):
         made = factory()
     except AutoparError:
         raise
+    except SystemExit as exc:  # the factory ended the program: say so instead of exiting silently
+        raise UsageError(f"the factory {target!r} called sys.exit({exc.code!r}) (at {raised_at(exc)}); a factory "
+                         "returns a model, or (model, example inputs)") from exc
     except Exception as exc:  # the user's factory failed: their error, with its line
         raise UsageError(f"the factory {target!r} raised {type(exc).__name__}: {first_line(exc)} "
                          f"(at {raised_at(exc)}); rerun with --debug for its traceback") from exc
-    if isinstance(made, tuple) and len(made) == 2:
-        return made[0], tuple(made[1])
-    return made, None
+    return _model_and_inputs(made, target)
+
+
+def _model_and_inputs(made, target: str):
+    """What a factory returned, as (model, example inputs or None); a clear error for anything
+    else (None, a string, a tuple of another length …)."""
+    from torch import nn
+
+    if isinstance(made, nn.Module):
+        return made, None
+    if isinstance(made, (tuple, list)) and len(made) == 2 and isinstance(made[0], nn.Module):
+        inputs = made[1]
+        return made[0], tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    shown = f"a {len(made)}-item {type(made).__name__}" if isinstance(made, (tuple, list)) else \
+        "None" if made is None else f"a {type(made).__name__}"
+    raise UsageError(f"the factory {target!r} returned {shown}; it must return a torch.nn.Module, or a pair "
+                     "(model, example inputs)")

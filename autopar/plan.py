@@ -14,6 +14,7 @@ True
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -22,7 +23,7 @@ from typing import Any
 
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan_types import check_plan_types
+from autopar.plan_types import check_plan_objects, check_plan_types
 
 SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -299,6 +300,18 @@ class Plan:
         step = sympy.sympify(self.symbolic["step_s"], locals={self.symbolic["symbol"]: symbol})
         return float(step.subs(symbol, batch_size))
 
+    def predict_memory(self, batch_size: int) -> int:
+        """Bytes per device at ``batch_size`` under this plan: weights, gradients and optimizer
+        states as planned, activations scaled from the traced batch (``plan.symbolic``). Saved
+        tensors without a batch dim scale too, so above the traced batch this bounds the need
+        from above, below it from below."""
+        traced = self.symbolic.get("traced_batch") if self.symbolic else None
+        if not traced:
+            raise AutoparError(ErrorKind.BAD_INPUT, "this plan was made without symbolic costs; plan with "
+                               "symbolic=True (`autopar plan --batch-size ...`) to predict other batch sizes")
+        m = self.memory
+        return m.params_bytes + m.grads_bytes + m.optimizer_bytes + math.ceil(m.activations_bytes * batch_size / traced)
+
     def to_json(self) -> str:
         d = asdict(self)
         d.pop("timings")
@@ -327,6 +340,7 @@ class Plan:
             raise AutoparError(ErrorKind.BAD_PLAN,
                                f"{source} has plan schema version {version!r}; this autopar reads version "
                                f"{SCHEMA_VERSION}: {hint}")
+        check_plan_objects(d, source)
         try:
             plan = cls(
                 fingerprint=d["fingerprint"], cluster=d["cluster"],
@@ -427,10 +441,35 @@ def user_mode(mode: int) -> int:
     return mode & ~umask
 
 
+def output_problem(path: str | os.PathLike) -> str | None:
+    """Why autopar cannot write a file at ``path`` (None when it can): an empty path, a folder,
+    something that is not a regular file (a FIFO, a device), a missing or read-only folder.
+    A symlink is followed: its target is written, the link kept."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        return f"output path {path!r} names no file; give a file path such as plan.json"
+    target = os.path.realpath(os.fspath(path))
+    if os.path.isdir(target):
+        return f"output {os.fspath(path)} is a folder; give a file path, e.g. {os.path.join(os.fspath(path), 'plan.json')}"
+    if os.path.exists(target) and not os.path.isfile(target):
+        return (f"output {os.fspath(path)} is not a regular file (a FIFO, device or socket); autopar writes a file "
+                "whole and renames it into place: give the path of a regular file")
+    folder = os.path.dirname(target)
+    if not os.path.isdir(folder):
+        return f"cannot write {os.fspath(path)}: folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot write {os.fspath(path)}: folder {folder} is not writable"
+    return None
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write a temp file in the same directory, then rename it over ``path``: readers see the
-    old file or the new one, never half of one, and an interrupted write leaves nothing behind."""
-    path = os.fspath(path)
+    old file or the new one, never half of one, and an interrupted write leaves nothing behind.
+    A symlink at ``path`` keeps pointing at the (new) file; a path that cannot hold a file is
+    refused before anything is written (:func:`output_problem`)."""
+    problem = output_problem(path)
+    if problem:
+        raise AutoparError(ErrorKind.BAD_INPUT, problem)
+    path = os.path.realpath(os.fspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "w") as f:
@@ -444,6 +483,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
+    """The plan saved at ``path`` (``Plan.save``), checked field by field (BAD_PLAN naming the
+    first wrong one)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise AutoparError(ErrorKind.BAD_INPUT, f"load_plan() takes the path of a plan file, got "
+                           f"{type(path).__name__}")
     try:
         with open(path) as f:
             text = f.read()

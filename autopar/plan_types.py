@@ -18,12 +18,49 @@ from autopar.devices import MAX_DEVICES
 from autopar.errors import AutoparError, ErrorKind
 
 _NUMBER = (int, float)
+# plan.family: the planning families (autopar.planning.FAMILIES; a test keeps the two alike)
+PLAN_FAMILIES = ("one_mesh", "pipeline", "replicas")
+# how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
+PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
+                       "table_wise", "expert_parallel", "expert_tensor_parallel")
+# what a node exchanges besides its placements (NodePlan.exchange; passes.sparse's names)
+NODE_EXCHANGES = ("", "sparse_allgather", "table_wise")
+# the plan's fields a reader indexes as objects: checked before the dataclasses are built
+_OBJECTS = ("nodes", "parameters", "buffers", "memory", "cluster", "solver", "options", "baselines", "families")
+
+
+def check_plan_objects(d: dict, source: str) -> None:
+    """Raise BAD_PLAN when a field read as an object (``nodes``, ``parameters`` …) is another
+    JSON type: named here, not as "'list' object has no attribute 'items'"."""
+    for key in _OBJECTS:
+        if key in d and not isinstance(d[key], dict):
+            _fail(source, key, "an object", d[key])
+    for key in ("nodes", "parameters"):
+        for name, entry in d.get(key, {}).items():
+            if not isinstance(entry, dict):
+                _fail(source, f"{key}.{name}", "an object", entry)
 
 
 def check_plan_types(plan, source: str) -> None:
     """Raise BAD_PLAN naming the first field of ``plan`` whose value has the wrong type."""
     _check_dataclass(plan, "", source)
     _need(plan.cluster, {"spec": str, "memory_limit_bytes": int}, "cluster", source)
+    _need(plan.cluster, {"hosts": int, "devices_per_host": int}, "cluster", source, optional=True)
+    for key in ("memory_limit_bytes", "hosts", "devices_per_host"):
+        if plan.cluster.get(key, 1) < 1:
+            _fail(source, f"cluster.{key}", "a positive integer", plan.cluster[key])
+    if plan.family not in PLAN_FAMILIES:
+        _fail(source, "family", f"one of {', '.join(PLAN_FAMILIES)} (a newer autopar's plan? upgrade)", plan.family)
+    if plan.micro_batches < 1 or plan.bubble > 1:
+        _fail(source, "micro_batches/bubble", "1 or more micro-batches and a bubble fraction of at most 1",
+              (plan.micro_batches, plan.bubble))
+    for fqn, parameter in plan.parameters.items():
+        if parameter.exchange not in PARAMETER_EXCHANGES:
+            _fail(source, f"parameters.{fqn}.exchange", f"one of {', '.join(PARAMETER_EXCHANGES)}", parameter.exchange)
+    for name, node in plan.nodes.items():
+        if node.exchange not in NODE_EXCHANGES:
+            _fail(source, f"nodes.{name}.exchange", "empty or one of " + ", ".join(filter(None, NODE_EXCHANGES)),
+                  node.exchange)
     _need(plan.solver, {"status": str, "objective_s": _NUMBER, "bound_s": _NUMBER}, "solver", source)
     devices = 1
     for size in plan.mesh_shape:
@@ -148,13 +185,14 @@ def _check(value, hint, where: str, source: str) -> None:
                 _check(key, args[0], f"{where} key", source)
                 _check(item, args[1], f"{where}.{key}", source)
         return
+    # every count, size and time a plan holds is non-negative: a negative one is a hand edit
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, _NUMBER) or not math.isfinite(value):
-            _fail(source, where, "a finite number", value)
+        if isinstance(value, bool) or not isinstance(value, _NUMBER) or not math.isfinite(value) or value < 0:
+            _fail(source, where, "a finite number of 0 or more", value)
         return
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(source, where, "an integer", value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            _fail(source, where, "an integer of 0 or more", value)
         return
     if isinstance(hint, type) and (not isinstance(value, hint) or hint is not bool and isinstance(value, bool)):
         _fail(source, where, f"a {hint.__name__}", value)
@@ -164,11 +202,34 @@ def _hint_name(hint) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
-def placement_problems(plan, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+def placement_problems(plan, shapes: dict[str, tuple[int, ...]],
+                       node_shapes: dict[str, tuple] | None = None) -> list[str]:
     """What is wrong with the plan's parameter placements for parameters of these ``shapes``
     (FQN -> shape, from the model): text that is no placement, a placement for another number
-    of mesh dims, a split of a dim the tensor lacks or that does not divide over its devices.
+    of mesh dims, a split of a dim the tensor lacks or that does not divide over its devices;
+    and with its node outputs' placements for ``node_shapes`` (node name -> each output's
+    shape, None for a non-tensor): a split of a dim the output lacks.
     ``autopar validate`` reports them; lowering would fail on each with a raw error."""
+    problems = _parameter_problems(plan, shapes)
+    for name, outputs in sorted((node_shapes or {}).items()):
+        node = plan.nodes.get(name)
+        for k, (text, shape) in enumerate(zip(node.outputs if node else (), outputs)):
+            if text is None or shape is None:
+                continue
+            dims = sorted({p.dim for p in _parsed(text) if p.is_shard})
+            if dims and dims[-1] >= len(shape):
+                problems.append(f"node {name}: output {k} placement {text!r} splits dim {dims[-1]}, the output has "
+                                f"{len(shape)} dims (shape {list(shape)})")
+    return problems
+
+
+def _parsed(text: str):
+    from autopar import placements as pl
+
+    return pl.parse_spec(text)  # the plan's placements were read once when it was loaded
+
+
+def _parameter_problems(plan, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     from autopar import placements as pl
 
     meshes = {tuple(group.mesh_shape) for group in (*plan.stages, *plan.replicas)} or {tuple(plan.mesh_shape)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 from collections import Counter
 
 from rich.console import Console
@@ -342,7 +343,10 @@ def explain(plan: Plan, node: str) -> dict:
     for alt in n.alternatives:
         total = alt["compute_s"] + alt["reshard_s"]
         rows.append({"chosen": False, **alt, "slower_by_s": total - chosen_total})
-    result = {"node": node, "op": n.op, "fallback": n.fallback, "candidates": rows}
+    mesh = plan.stages[n.stage].mesh_shape if plan.stages else plan.mesh_shape
+    result = {"node": node, "op": n.op, "fallback": n.fallback, "candidates": rows, "devices": math.prod(mesh)}
+    if plan.stages:
+        result["stage"] = n.stage
     if node in plan.symbolic.get("nodes", {}):
         result["formula"] = plan.symbolic["nodes"][node]  # FLOPs and bytes in the batch size
     return result
@@ -357,6 +361,7 @@ def explain_text(e: dict) -> str:
     for row in e["candidates"]:
         why = "chosen" if row["chosen"] else (
             f"+{format_seconds(row['slower_by_s'])}" if row["slower_by_s"] > 0 else
+            "as fast here; a tie" if row["slower_by_s"] == 0 and row["memory_delta_bytes"] == 0 else
             f"{format_seconds(row['slower_by_s'])} here, costlier elsewhere or over memory")
         table.add_row("*" if row["chosen"] else "", " ".join(o or "-" for o in row["outputs"]),
                       " ".join(row["inputs"]), format_seconds(row["compute_s"]), format_seconds(row["reshard_s"]),
@@ -366,6 +371,10 @@ def explain_text(e: dict) -> str:
         console.print("no other candidate: " + ("an op without a DTensor rule runs replicated" if e["fallback"] else
                       "this op has one placement on this mesh (a factory such as arange builds the same tensor on "
                       "every device; an op whose every dim is too small to split)"))
+    if e.get("devices") == 1 and len(e["candidates"]) > 1:
+        where = f"stage {e['stage']}" if "stage" in e else "this plan"
+        console.print(f"{where} runs on one device: every placement is the whole tensor there, so the candidates "
+                      "cost the same and the choice among them changes nothing")
     if e.get("formula"):
         console.print(f"as a function of the batch size: FLOPs = {e['formula']['flops']}, "
                       f"bytes moved = {e['formula']['bytes']}")

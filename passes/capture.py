@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autopar.errors import AutoparError, ErrorKind, first_line, raised_at
+from autopar.errors import AutoparError, ErrorKind, first_line, quiet_logs, raised_at
 from autopar.plan import TensorSpec
 from autopar.passes.decompose import decompose
 from autopar.passes.embedding_bag import lower_fixed_bags
@@ -95,6 +95,10 @@ def normalize_inputs(example_inputs) -> tuple:
             raise AutoparError(ErrorKind.BAD_INPUT,
                                f"example input #{i} is a {type(value).__name__}; autopar plans tensor inputs only "
                                "(pass other arguments through a wrapper module)")
+        if value.numel() == 0:
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"example input #{i} has shape {tuple(value.shape)}: no elements, so no step to plan; "
+                               "give it the rows (and sizes) of one real training step")
     return tuple(example_inputs)
 
 
@@ -164,7 +168,9 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
                            f"{type(model).__name__} has no parameters: there is nothing to shard or replicate; "
                            "parallelize the model that owns the weights")
     try:
-        with computing_in(model, compute_dtype) as master_itemsize, training_forward(model):
+        # a fake kernel refusing the inputs logs its traceback: the error below names the cause once
+        with computing_in(model, compute_dtype) as master_itemsize, training_forward(model), \
+                quiet_logs("torch._subclasses.fake_tensor"):
             program = torch.export.export(model, args, strict=False)
         lower_fixed_bags(program)
         program = decompose(program)
@@ -279,11 +285,8 @@ def _inputs_refused(model: nn.Module, args: tuple) -> AutoparError | None:
     # what fake tensors cannot do (read a value, a shape from the data): export's trouble too
     cannot_fake = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                    fake_tensor.UnsupportedOperatorException, fake_tensor.UnsupportedFakeTensorException)
-    fake_log = logging.getLogger(fake_tensor.__name__)
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)  # it logs every failing kernel: the error below says it once
     try:
-        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        with quiet_logs(fake_tensor.__name__), fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
             model(*(fake_mode.from_tensor(x) for x in args))
     except cannot_fake:
         return None
@@ -294,8 +297,6 @@ def _inputs_refused(model: nn.Module, args: tuple) -> AutoparError | None:
             f"{type(model).__name__}'s forward fails on the example inputs ({given}): {type(exc).__name__}: "
             f"{first_line(exc)}\n  at {raised_at(exc, _LIBRARY_DIRS)}\n"
             "  fix: give inputs of the shapes, dtypes and number the model's forward takes (as in one training step)")
-    finally:
-        fake_log.setLevel(level)
     return None
 
 

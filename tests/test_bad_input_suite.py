@@ -14,6 +14,7 @@ from torch import nn
 
 import autopar
 from autopar import AutoparError, ErrorKind
+from autopar.cluster_file import parse_link_change
 from models import MLP
 
 
@@ -98,6 +99,9 @@ def _cluster_file(tmp_path, text: str):
     return run
 
 
+TWO_REGIONS = os.path.join(os.path.dirname(__file__), "clusters", "two_cpu_regions.yaml")
+_REGIONS = ("regions:\n  a: {device: cpu, nodes: 1, per_node: 1}\n  b: {device: cpu, nodes: 1, per_node: 1}\n"
+            "links:\n  - {between: [a, b], bandwidth_GBps: 1, latency_ms: 1}\n")
 X = torch.randn(8, 4)
 CASES = [
     # (id, kind, message fragments, make the call: tmp_path -> callable)
@@ -136,7 +140,7 @@ CASES = [
      lambda t: _mlp_plan(cluster="2xH100", memory_limit=1000)),
     ("mesh not matching the devices", ErrorKind.BAD_INPUT, ["mesh_shape (3,)", "cluster has 4"],
      lambda t: _mlp_plan(cluster="4xH100", mesh_shape=(3,))),
-    ("mesh with a zero dim", ErrorKind.BAD_INPUT, ["mesh_shape (0, 4)"],
+    ("mesh with a zero dim", ErrorKind.BAD_INPUT, ["mesh_shape must be", "got (0, 4)"],
      lambda t: _mlp_plan(cluster="4xH100", mesh_shape=(0, 4))),
     ("unknown solver", ErrorKind.BAD_INPUT, ["unknown solver 'gurobi'", "cpsat"],
      lambda t: _mlp_plan(cluster="2xH100", solver="gurobi")),
@@ -192,6 +196,63 @@ CASES = [
     ("a trillion devices", ErrorKind.BAD_CLUSTER, ["16,777,216"], lambda t: _mlp_plan(cluster="1000000000000xH100")),
     ("a device count of 5000 digits", ErrorKind.BAD_CLUSTER, ["more than 16,777,216 devices"],
      lambda t: _mlp_plan(cluster="9" * 5000 + "xH100")),
+    # numbers OR-Tools cannot hold, counts that are no counts: refused where they enter
+    ("time limit 1e300", ErrorKind.BAD_INPUT, ["time_limit_s must be", "604,800", "1e+300"],
+     lambda t: _mlp_plan(cluster="2xH100", time_limit_s=1e300)),
+    ("time limit infinite", ErrorKind.BAD_INPUT, ["time_limit_s must be", "inf"],
+     lambda t: _mlp_plan(cluster="2xH100", time_limit_s=float("inf"))),
+    ("mesh shape as a string", ErrorKind.BAD_INPUT, ["mesh_shape must be a tuple", "'22'"],
+     lambda t: _mlp_plan(cluster="4xH100", mesh_shape="22")),
+    ("zero micro-batches", ErrorKind.BAD_INPUT, ["micro_batches must be a whole number of 1 or more", "0"],
+     lambda t: _mlp_plan(cluster="4xH100", micro_batches=0)),
+    ("micro-batches without a pipeline", ErrorKind.BAD_INPUT, ["micro_batches=4 pins a pipeline's micro-batch count",
+                                                               "no pipeline plan is made here"],
+     lambda t: _mlp_plan(cluster="4xH100", micro_batches=4)),
+    ("micro-batches not dividing the batch", ErrorKind.BAD_INPUT, ["micro_batches=3 must divide the batch size 8"],
+     lambda t: _mlp_plan(cluster=TWO_REGIONS, micro_batches=3)),
+    ("batch split without replicas", ErrorKind.BAD_INPUT, ["batch_split=(4, 4) pins the rows", "one device group"],
+     lambda t: _mlp_plan(cluster="4xH100", batch_split=(4, 4))),
+    ("batch split with a zero", ErrorKind.BAD_INPUT, ["batch_split must be a tuple of whole numbers of 1 or more"],
+     lambda t: _mlp_plan(cluster=TWO_REGIONS, batch_split=(0, 8))),
+    ("batch split of the wrong sum", ErrorKind.BAD_INPUT, ["batch_split=(1, 1) must give each of the 2 groups",
+                                                           "batch size 8"],
+     lambda t: _mlp_plan(cluster=TWO_REGIONS, batch_split=(1, 1))),
+    ("a batch of zero rows", ErrorKind.BAD_INPUT, ["example input #0 has shape (0, 16): no elements"],
+     lambda t: _plan(MLP(), (torch.randn(0, 16),))),
+    ("cluster YAML with one link twice", ErrorKind.BAD_CLUSTER, ["cluster.yaml:6", "a second link between 'b' and 'a'",
+                                                                 "links[0]"],
+     lambda t: _cluster_file(t, _REGIONS + "  - {between: [b, a], bandwidth_GBps: 100}\n")),
+    ("cluster YAML link from a region to itself", ErrorKind.BAD_CLUSTER, ["[a, a] names one"],
+     lambda t: _cluster_file(t, _REGIONS + "  - {between: [a, a], bandwidth_GBps: 100}\n")),
+    ("cluster YAML link of 1e300 GB/s", ErrorKind.BAD_CLUSTER, ["beyond any link", "check the unit"],
+     lambda t: _cluster_file(t, _REGIONS.replace("bandwidth_GBps: 1", "bandwidth_GBps: 1.0e+300"))),
+    ("cluster YAML bandwidth nan", ErrorKind.BAD_CLUSTER, ["bandwidth_GBps", "positive number", "nan"],
+     lambda t: _cluster_file(t, _REGIONS.replace("bandwidth_GBps: 1", "bandwidth_GBps: .nan"))),
+    ("a link change of 1e300 GB/s", ErrorKind.BAD_INPUT, ["--link 'a-b=1e300GBps'", "beyond any link"],
+     lambda t: lambda: parse_link_change("a-b=1e300GBps")),
+    # plan files and paths
+    ("load_plan(None)", ErrorKind.BAD_INPUT, ["takes the path of a plan file", "NoneType"],
+     lambda t: lambda: autopar.load_plan(None)),
+    ("saving into a missing folder", ErrorKind.BAD_INPUT, ["cannot write", "nowhere", "does not exist"],
+     lambda t: lambda: autopar.Plan.from_json(_valid_plan_text()).save(os.path.join(t, "nowhere", "plan.json"))),
+    ("saving to an empty path", ErrorKind.BAD_INPUT, ["names no file"],
+     lambda t: lambda: autopar.Plan.from_json(_valid_plan_text()).save("")),
+    ("plan with negative bytes", ErrorKind.BAD_PLAN, ["parameters.layers.0.weight.bytes", "0 or more", "-5"],
+     lambda t: _load(t, _edit(lambda d: d["parameters"]["layers.0.weight"].update(bytes=-5))())),
+    ("plan with a negative step time", ErrorKind.BAD_PLAN, ["predicted_step_s", "0 or more", "-1.0"],
+     lambda t: _load(t, _edit(lambda d: d.update(predicted_step_s=-1.0))())),
+    ("plan with an unknown family", ErrorKind.BAD_PLAN, ["field family", "one_mesh, pipeline, replicas", "'quantum'"],
+     lambda t: _load(t, _edit(lambda d: d.update(family="quantum"))())),
+    ("plan with an unknown exchange", ErrorKind.BAD_PLAN, ["parameters.layers.0.weight.exchange", "'teleport'"],
+     lambda t: _load(t, _edit(lambda d: d["parameters"]["layers.0.weight"].update(exchange="teleport"))())),
+    ("plan with zero micro-batches", ErrorKind.BAD_PLAN, ["micro_batches", "1 or more micro-batches"],
+     lambda t: _load(t, _edit(lambda d: d.update(micro_batches=0))())),
+    ("plan with negative hosts", ErrorKind.BAD_PLAN, ["cluster.hosts", "a positive integer"],
+     lambda t: _load(t, _edit(lambda d: d["cluster"].update(hosts=-1))())),
+    ("plan whose nodes are a list", ErrorKind.BAD_PLAN, ["field nodes should be an object", "[]"],
+     lambda t: _load(t, _edit(lambda d: d.update(nodes=[]))())),
+    ("plan whose parameters are null", ErrorKind.BAD_PLAN, ["field parameters should be an object", "None"],
+     lambda t: _load(t, _edit(lambda d: d.update(parameters=None))())),
 ]
 
 

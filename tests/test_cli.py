@@ -218,6 +218,18 @@ BAD_FILES = {  # (files in the working folder, arguments, what the message says)
     "batch_split_words": ({}, ["models:tiny_mlp", "--batch-split", "a,b"], "not a comma-separated list of row counts"),
     "output_folder_missing": ({}, ["models:tiny_mlp", "-o", "missing/plan.json"], "does not exist"),
     "output_is_a_folder": ({"out/keep.txt": "x"}, ["models:tiny_mlp", "-o", "out"], "is a folder"),
+    "output_path_empty": ({}, ["models:tiny_mlp", "-o", ""], "names no file"),
+    "factory_returns_none": ({"none_factory.py": "def build():\n    return None\n"}, ["none_factory:build"],
+                             "returned None; it must return a torch.nn.Module"),
+    "factory_returns_three": ({"three_factory.py": "def build():\n    return 1, 2, 3\n"}, ["three_factory:build"],
+                              "returned a 3-item tuple"),
+    "factory_exits": ({"exiting_factory.py": "import sys\ndef build():\n    sys.exit(3)\n"}, ["exiting_factory:build"],
+                      "called sys.exit(3)"),
+    "input_beyond_memory": ({}, ["models:tiny_mlp", "--input", "x=1000000000000x1000000000000:float32"],
+                            "more than half this machine's memory"),
+    "input_of_zero_rows": ({}, ["models:tiny_mlp", "--input", "x=0x16:float32"], "no elements"),
+    "micro_batches_without_pipeline": ({}, ["models:tiny_mlp", "--micro-batches", "4"], "no pipeline plan is made"),
+    "time_limit_1e300": ({}, ["models:tiny_mlp", "--time-limit", "1e300"], "time_limit_s must be"),
 }
 
 
@@ -307,3 +319,73 @@ def test_validate_names_placements_the_parameters_cannot_take(tmp_path, monkeypa
         "layers.0.bias: optimizer_state 'S(3)' splits dim 3, the parameter has 1 dims (shape [32])",
         "layers.0.weight: placement 'S(7)' splits dim 7, the parameter has 2 dims (shape [32, 16])",
         "layers.2.bias: placement 'S(0)' splits dim 0 of size 8 over 3 devices, which does not divide it"], problems
+
+
+def test_torch_logs_no_traceback_before_autopar_s_message(tmp_path):
+    """A zip that is no export archive, and inputs the model refuses: torch logs a traceback
+    before raising; the user sees autopar's one message (with torch's cause), nothing else."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "model.pt2", "w") as archive:
+        archive.writestr("foo.txt", "not an archive")
+    done = autopar("plan", str(tmp_path / "model.pt2"), "--cluster", "2xH100", "--input", "x=8x16:float32")
+    assert done.returncode == 2 and "not in a subdirectory" in done.stderr, done.stderr
+    wrong = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "--input", "x=8x17:float32")
+    assert wrong.returncode == 2 and "forward fails on the example inputs" in wrong.stderr, wrong.stderr
+    for result in (done, wrong):
+        assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 3, result.stderr
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`autopar devices --json | head -c 0`: the reader left; no internal error, SIGPIPE's status."""
+    exe = shutil.which("autopar")
+    cmd = [exe] if exe else [sys.executable, "-m", "autopar.cli"]
+    reader = subprocess.Popen(["head", "-c", "0"], stdin=subprocess.PIPE)
+    done = subprocess.run(cmd + ["devices", "--json"], stdout=reader.stdin, stderr=subprocess.PIPE, text=True,
+                          cwd=HERE, timeout=600)
+    reader.stdin.close()
+    reader.wait()
+    assert done.returncode in (0, 141) and done.stderr == "", done.stderr
+
+
+def test_outputs_onto_a_symlink_and_a_fifo(tmp_path, monkeypatch, capsys):
+    """A symlinked output keeps its link (its target gets the plan); a FIFO is refused, untouched."""
+    from autopar import cli
+
+    monkeypatch.syspath_prepend(HERE)
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    (tmp_path / "link.json").symlink_to(target)
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(tmp_path / "link.json")]) == 0
+    assert (tmp_path / "link.json").is_symlink() and json.loads(target.read_text())["family"] == "one_mesh"
+    os.mkfifo(tmp_path / "fifo.json")
+    capsys.readouterr()
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(tmp_path / "fifo.json")]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    assert (tmp_path / "fifo.json").is_fifo()
+
+
+def test_a_batch_sweep_says_which_batches_do_not_fit(monkeypatch, capsys):
+    from autopar import cli
+
+    monkeypatch.syspath_prepend(HERE)
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "--memory-limit", "200000",
+                     "--batch-size", "8,100000000", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["batch_sweep"]
+    assert [row["fits"] for row in rows] == [True, False]
+    assert rows[1]["memory_bytes"] > 200000 > rows[0]["memory_bytes"]
+
+
+def test_validate_names_node_outputs_split_on_a_dim_they_lack(tmp_path, monkeypatch, capsys):
+    from autopar import cli
+
+    monkeypatch.syspath_prepend(HERE)
+    path = tmp_path / "plan.json"
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "-o", str(path), "--json"]) == 0
+    plan = json.loads(path.read_text())
+    plan["nodes"]["addmm"]["outputs"] = ["S(9)"]
+    path.write_text(json.dumps(plan))
+    capsys.readouterr()
+    assert cli.main(["validate", str(path), "models:tiny_mlp", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert problems == ["node addmm: output 0 placement 'S(9)' splits dim 9, the output has 2 dims (shape [8, 32])"]

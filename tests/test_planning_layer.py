@@ -96,3 +96,11 @@ def test_lowering_dispatches_on_the_family_and_refuses_an_unknown_one():
     plan = dataclasses.replace(autopar.plan(model, inputs, cluster="2xcpu"), family="zigzag")
     with pytest.raises(autopar.AutoparError, match="plan family 'zigzag' is not one this autopar knows"):
         lower_plan(plan, model, None)
+
+
+def test_plan_files_accept_every_family_and_only_those():
+    """plan_types checks plan.family against its own list (the plan layer sits below the
+    planning layer): the two lists are one."""
+    from autopar.plan_types import PLAN_FAMILIES
+
+    assert tuple(FAMILIES) == PLAN_FAMILIES

@@ -60,6 +60,7 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
     # a cluster of one kind pipelines over its hosts when no plan over one mesh fits
     over_hosts = "pipeline" not in tried and options.forced("pipeline") is None and not options.forced("replicas") \
         and not FAMILIES["pipeline"].unavailable(cluster, dataclasses.replace(options, pipeline=True))
+    _check_pinned(graphs, cluster, options, tried)
     def attempt(name: str, family_options: PlanOptions) -> AutoparError | None:
         """Plan family ``name``: its plan, or why it found none, recorded; the error returned."""
         try:
@@ -95,6 +96,33 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
                                timings={**best.timings, "plan_s": time.perf_counter() - start,
                                         "capture_s": graphs.capture_s})
     return _with_symbolic_costs(best, graphs, cluster) if options.symbolic else best
+
+
+def _check_pinned(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions, tried: list[str]) -> None:
+    """An option that pins what one family plans (micro_batches: the pipeline's; batch_split:
+    the replicas') must reach a family that reads it, and fit the batch: an error now, rather
+    than the option ignored or that family quietly skipped."""
+    from autopar.passes.capture import leading_batch
+
+    for option, family, meaning in (("micro_batches", "pipeline", "a pipeline's micro-batch count"),
+                                    ("batch_split", "replicas", "the rows of each data-parallel replica")):
+        value = getattr(options, option)
+        if value is None:
+            continue
+        if family not in tried:
+            why = (f"{family}=False" if options.forced(family) is False
+                   else FAMILIES[family].unavailable(cluster, options)
+                   or f"{family} plans are made on {cluster.describe()} only when forced ({family}=True)")
+            raise AutoparError(ErrorKind.BAD_INPUT, f"{option}={value!r} pins {meaning}, but no {family} plan is made "
+                               f"here: {why}; drop {option} or plan {family}=True on a cluster that can host it")
+        batch = leading_batch(graphs.inputs, option)
+        if option == "micro_batches" and batch % value:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"micro_batches={value} must divide the batch size {batch}")
+        groups = len(cluster.groups())
+        if option == "batch_split" and (len(value) != groups or sum(value) != batch):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={value} must give each of the {groups} groups of "
+                               f"{cluster.describe()} its rows ({groups} numbers of 1 or more) summing to the batch "
+                               f"size {batch}")
 
 
 def _with_symbolic_costs(plan: Plan, graphs: ModelGraphs, cluster: Cluster) -> Plan:

@@ -13,15 +13,18 @@ autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.devices import MAX_DEVICES
 from autopar.errors import AutoparError, ErrorKind
 from autopar.planning.precision import Precision
 from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
 SCHEDULES = ("1F1B", "GPipe")
+MAX_TIME_LIMIT_S = 7 * 24 * 3600.0  # a solver budget beyond a week is a typo (OR-Tools holds it in int64 ms)
 RECOMPUTE = ("auto", "none", "selective", "full")
 # hand-written configurations a person would write: costed beside every plan
 CONFIGURATIONS = tuple({**BASELINES, **BASELINES_2D})
@@ -87,8 +90,31 @@ class PlanOptions:
                 and self.prefetch_layers >= 0):
             raise AutoparError(ErrorKind.BAD_INPUT, f"prefetch_layers must be a whole number of layers (0 or more), "
                                f"got {self.prefetch_layers!r}")
+        self._check_counts()
         if self.pipeline and self.replicas:
             raise AutoparError(ErrorKind.BAD_INPUT, "pipeline=True and replicas=True exclude each other; force one")
+
+    def _check_counts(self) -> None:
+        """The numeric options: a solver budget that OR-Tools can hold, whole positive counts."""
+        limit = self.time_limit_s
+        if not (_is_number(limit) and 0 < limit <= MAX_TIME_LIMIT_S):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"time_limit_s must be a number of seconds in (0, "
+                               f"{MAX_TIME_LIMIT_S:,.0f}] (a week), got {limit!r}")
+        if self.micro_batches is not None and not (_is_count(self.micro_batches) and self.micro_batches >= 1):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"micro_batches must be a whole number of 1 or more (or None: "
+                               f"searched), got {self.micro_batches!r}")
+        for name in ("mesh_shape", "batch_split"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (tuple, list)) or not value or not all(_is_count(v) and v >= 1 for v in value):
+                example = "(2, 4)" if name == "mesh_shape" else "(6, 2)"
+                raise AutoparError(ErrorKind.BAD_INPUT, f"{name} must be a tuple of whole numbers of 1 or more, e.g. "
+                                   f"{example}; got {value!r}")
+            object.__setattr__(self, name, tuple(value))  # a list works too; the options stay hashable
+        if self.mesh_shape is not None and math.prod(self.mesh_shape) > MAX_DEVICES:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"mesh_shape {self.mesh_shape} spans more than {MAX_DEVICES:,} "
+                               "devices")
 
     @property
     def optimizer_states(self) -> int:
@@ -132,3 +158,11 @@ class PlanOptions:
         return {"overlap_efficiency": device.overlap_efficiency if self.overlap else 0.0,
                 "collective_overlap": device.collective_overlap if self.overlap else (),
                 "prefetch": self.prefetch_layers > 0, "bucket_bytes": int(self.bucket_cap_mb * 2**20)}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

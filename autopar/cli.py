@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from autopar.cli_args import attach_dash_values, batch_sizes, memory_bytes, rows_per_region, unknown_option_hint
 from autopar.errors import AutoparError, ErrorKind, first_line
 from autopar.model_files import UsageError, load_model
 from autopar.units import format_bytes
@@ -306,29 +307,31 @@ def _cmd_checkpoint(args) -> int:
     return 0
 
 
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes, e.g. 8,16,32")
-    if any(b < 1 for b in sizes):
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
-    return sizes
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors also name misspelt options (``--clustr``: did
+    you mean ``--cluster``?) — argparse reports the required option as missing instead."""
+
+    seen_argv: list[str] = []
+
+    def error(self, message: str):
+        known = {o for action in self._actions for o in action.option_strings}
+        hint = unknown_option_hint(self.seen_argv, known) if "unrecognized" not in message else ""
+        super().error(f"{message}; {hint}" if hint else message)
 
 
-def _rows_per_region(text: str) -> tuple[int, ...]:
-    try:
-        rows = tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of row counts, one per region, "
-                                         "e.g. 6,2")
-    if any(b < 0 for b in rows):
-        raise argparse.ArgumentTypeError(f"row counts cannot be negative, got {text!r}")
-    return rows
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for sub in action.choices.values()]
+
+
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option of every command that takes a value (``--cluster``, ``--memory-limit`` …)."""
+    return {o for sub in _subparsers(parser) for action in sub._actions if action.option_strings
+            and isinstance(action, (argparse._StoreAction, argparse._AppendAction)) for o in action.option_strings}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
+    parser = _Parser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -345,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--cluster", required=True, help="e.g. 8xH100 or 2x8xA100-80GB")
     p.add_argument("--input", action="append", help="example input NAME=SHAPE:DTYPE, e.g. tokens=4x1024:int64")
-    p.add_argument("--memory-limit", type=float, help="bytes per device")
+    p.add_argument("--memory-limit", type=memory_bytes, help="bytes per device: 8e9, 80GB or 80GiB")
     p.add_argument("--solver", default="cpsat")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
@@ -368,9 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B")
     p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
                    help="data-parallel replicas on the cluster's regions, the batch split by their speed")
-    p.add_argument("--batch-split", type=_rows_per_region, metavar="N,N,...",
+    p.add_argument("--batch-split", type=rows_per_region, metavar="N,N,...",
                    help="rows of the batch per region for replicas, e.g. 6,2")
-    p.add_argument("--batch-size", type=_batch_sizes, metavar="B,B,...",
+    p.add_argument("--batch-size", type=batch_sizes, metavar="B,B,...",
                    help="also store the step time as a formula of the batch size and predict it at these "
                         "sizes, e.g. 8,16,32 (no re-tracing; the JSON gets batch_sweep)")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
@@ -387,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change one link of --cluster: a WAN link between two regions (a-b=0.125GBps@40ms), "
                         "intra_node or inter_node (=100Gbps); repeatable")
     r.add_argument("--input", action="append", help="example input NAME=SHAPE:DTYPE, as for plan")
-    r.add_argument("--memory-limit", type=float, help="bytes per device")
+    r.add_argument("--memory-limit", type=memory_bytes, help="bytes per device: 8e9, 80GB or 80GiB")
     r.add_argument("--solver", default="cpsat")
     r.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
     r.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
@@ -445,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = attach_dash_values(sys.argv[1:] if argv is None else list(argv), _value_options(parser))
+    for sub_parser in (parser, *_subparsers(parser)):
+        sub_parser.seen_argv = argv
     args = parser.parse_args(argv)  # argparse exits with 2 on usage errors
     if args.verbose:  # the phases as log lines, also where no spinner shows (pipes, CI logs)
         logging.basicConfig(format="%(name)s: %(message)s")

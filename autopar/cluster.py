@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ def checked_memory_limit(value) -> int:
                            f"memory limit must be a finite number of bytes, got {value}; pass e.g. memory_limit=8e9")
     if value < 1:
         raise AutoparError(ErrorKind.BAD_CLUSTER,
-                           f"memory limit must be positive, got {value} bytes; pass e.g. memory_limit=8e9")
+                           f"memory limit must be positive, at least 1 byte, got {value} bytes; pass e.g. "
+                           "memory_limit=8e9")
     if value > MAX_MEMORY_BYTES:
         raise AutoparError(ErrorKind.BAD_CLUSTER, f"memory limit {value:g} bytes is beyond any device (at most "
                            f"{MAX_MEMORY_BYTES:.3g} bytes per device); give bytes, e.g. memory_limit=8e9")
@@ -86,9 +88,14 @@ class Cluster:
                                f"cluster must be a string like '8xH100' or a Cluster, got {type(spec).__name__}")
         match = _SHORTHAND.match(spec)
         if match is None:
+            hint = ""
+            if os.path.isdir(spec):
+                hint = f"; {spec} is a folder: name the cluster file (.yaml) inside it"
+            elif os.path.exists(spec):
+                hint = f"; {spec} is a file, but cluster files are YAML and end in .yaml or .yml (docs/clusters.md)"
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"cannot parse cluster {spec!r}; write 'NxDEVICE' (e.g. '8xH100') "
-                               "or 'HOSTSxGPUSxDEVICE' (e.g. '2x8xA100-80GB')")
+                               f"or 'HOSTSxGPUSxDEVICE' (e.g. '2x8xA100-80GB'), or give a cluster file{hint}")
         if max(len(match.group(1) or ""), len(match.group(2))) > 9:  # before int(): 10^9 of either is too many
             raise AutoparError(ErrorKind.BAD_CLUSTER,
                                f"cluster {spec if len(spec) <= 40 else spec[:40] + '…'!r} has more than "

@@ -27,10 +27,16 @@ def parse_input_spec(spec: str, device="cpu"):
     import torch
 
     match = _INPUT.match(spec.strip())
-    if match is None or not isinstance(getattr(torch, match.group(3), None), torch.dtype):
+    if match is None:
         raise UsageError(f"bad --input {spec!r}: write NAME=DIMxDIM:DTYPE, e.g. tokens=4x1024:int64")
+    if not isinstance(getattr(torch, match.group(3), None), torch.dtype):
+        raise UsageError(f"bad --input {spec!r}: {match.group(3)!r} is not a torch dtype; use e.g. float32, bfloat16, "
+                         "float16, int64, int32, bool")
     shape = tuple(int(d) for d in match.group(2).split("x"))
     dtype = getattr(torch, match.group(3))
+    if 0 in shape:
+        raise UsageError(f"--input {spec!r} has a dim of size 0: no elements, so no step to plan; give the sizes of "
+                         "one real training step")
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > _input_bytes_cap():
         raise UsageError(f"--input {spec!r} is a {_size(nbytes)} tensor, more than half this machine's memory "
@@ -54,6 +60,13 @@ def _size(nbytes: int) -> str:
 def load_model(target: str, input_specs: list[str], trust_pickle: bool):
     """MODEL is ``package.module:factory``, a torch.export ``.pt2`` or a torch.save'd ``.pt``."""
     model, inputs = _load_model(target, trust_pickle)
+    names = [spec.split("=", 1)[0].strip() for spec in input_specs if "=" in spec]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UsageError(f"--input {twice[0]} is given more than once; give each input of the model's forward once, "
+                         "in order")
+    if input_specs and target.endswith(".pt2") and inputs is not None:
+        _check_archive_shapes(target, inputs, input_specs)
     if input_specs:
         params = model.parameters() if hasattr(model, "parameters") else ()
         device = next((p.device for p in params), "cpu")
@@ -61,6 +74,26 @@ def load_model(target: str, input_specs: list[str], trust_pickle: bool):
     if inputs is None:
         raise UsageError(f"{target} comes without example inputs: pass them with --input NAME=SHAPE:DTYPE")
     return model, inputs
+
+
+def _check_archive_shapes(target: str, exported: tuple, input_specs: list[str]) -> None:
+    """A .pt2 exported without dynamic dims runs only at its own input shapes: say so, rather
+    than let its guard fail ("Guard failed: x.size()[0] == 8")."""
+    import torch
+
+    given = [parse_input_spec(spec, "meta") for spec in input_specs]
+    want = [tuple(x.shape) for x in exported if isinstance(x, torch.Tensor)]
+    if [tuple(x.shape) for x in given] != want and not _archive_dynamic(target):
+        raise UsageError(f"{target} was exported for inputs of shapes {want} and no dynamic dims; --input gives "
+                         f"{[tuple(x.shape) for x in given]}. Give its shapes, or re-export with dynamic_shapes= "
+                         "(torch.export.Dim) for the dims you want to vary")
+
+
+def _archive_dynamic(target: str) -> bool:
+    import torch
+
+    with quiet_logs("torch.export"):
+        return bool(torch.export.load(target).range_constraints)
 
 
 def _load_model(target: str, trust_pickle: bool):

@@ -332,7 +332,13 @@ class Plan:
                                "one, silently); re-create the plan with `autopar.plan(...).save(path)`") from exc
         if not isinstance(d, dict):
             raise AutoparError(ErrorKind.BAD_PLAN, f"{source} holds a JSON {type(d).__name__}, not a plan object")
-        version = d.get("schema_version")
+        if "schema_version" not in d:
+            raise AutoparError(ErrorKind.BAD_PLAN, f"{source} has no schema_version: it is not an autopar plan file, "
+                               "or a damaged one; re-create it with `autopar.plan(...).save(path)`")
+        version = d["schema_version"]
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: field schema_version should be an integer, not "
+                               f"{version!r}; re-create the plan with `autopar.plan(...).save(path)`")
         if version == 1:
             d, version = _from_version_1(d), SCHEMA_VERSION
         if version != SCHEMA_VERSION:

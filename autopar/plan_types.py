@@ -23,8 +23,12 @@ PLAN_FAMILIES = ("one_mesh", "pipeline", "replicas")
 # how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
 PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
                        "table_wise", "expert_parallel", "expert_tensor_parallel")
-# what a node exchanges besides its placements (NodePlan.exchange; passes.sparse's names)
-NODE_EXCHANGES = ("", "sparse_allgather", "table_wise")
+# what a node exchanges besides its placements (NodePlan.exchange: passes.sparse's and
+# passes.expert_dispatch's Strategy.exchange names; a test keeps them alike)
+NODE_EXCHANGES = ("", "sparse_allgather", "table_wise", "expert_dispatch")
+# the keys every node and parameter entry of a plan file has (the others have defaults)
+_NODE_FIELDS = ("op", "outputs", "inputs", "compute_s", "fallback", "reshard_s", "alternatives")
+_PARAMETER_FIELDS = ("placement", "bytes", "exchange")
 # the plan's fields a reader indexes as objects: checked before the dataclasses are built
 _OBJECTS = ("nodes", "parameters", "buffers", "memory", "cluster", "solver", "options", "baselines", "families")
 
@@ -35,10 +39,13 @@ def check_plan_objects(d: dict, source: str) -> None:
     for key in _OBJECTS:
         if key in d and not isinstance(d[key], dict):
             _fail(source, key, "an object", d[key])
-    for key in ("nodes", "parameters"):
+    for key, fields in (("nodes", _NODE_FIELDS), ("parameters", _PARAMETER_FIELDS)):
         for name, entry in d.get(key, {}).items():
             if not isinstance(entry, dict):
                 _fail(source, f"{key}.{name}", "an object", entry)
+            missing = [f for f in fields if f not in entry]
+            if missing:
+                _fail(source, f"{key}.{name}", f"an object with {', '.join(missing)} (missing)", entry)
 
 
 def check_plan_types(plan, source: str) -> None:

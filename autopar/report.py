@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import io
 import math
 from collections import Counter
@@ -287,6 +288,8 @@ def _baselines_table(plan: Plan) -> Table:
 
 def diff(a: Plan, b: Plan) -> dict:
     """What changed from plan ``a`` to plan ``b``, and the predicted effect."""
+    if a.fingerprint != b.fingerprint:  # placements of different graphs do not compare
+        return {**_diff_totals(a, b), "same_model": False, "parameters_changed": {}, "nodes_changed": []}
     params = {fqn: {"from": a.parameters[fqn].placement if fqn in a.parameters else None,
                     "to": b.parameters[fqn].placement if fqn in b.parameters else None}
               for fqn in sorted(set(a.parameters) | set(b.parameters))
@@ -295,16 +298,18 @@ def diff(a: Plan, b: Plan) -> dict:
     nodes = sorted(n for n in set(a.nodes) | set(b.nodes)
                    if not (n in a.nodes and n in b.nodes and len(a.nodes[n].outputs) == len(b.nodes[n].outputs)
                            and all(map(_same_placement, a.nodes[n].outputs, b.nodes[n].outputs))))
+    return {**_diff_totals(a, b), "same_model": True, "parameters_changed": params, "nodes_changed": nodes}
+
+
+def _diff_totals(a: Plan, b: Plan) -> dict:
+    """The cluster, mesh, step time and memory of two plans side by side."""
     return {
-        "same_model": a.fingerprint == b.fingerprint,
         "cluster": {"from": a.cluster["spec"], "to": b.cluster["spec"]},
         "mesh": {"from": list(a.mesh_shape), "to": list(b.mesh_shape)},
         "predicted_step_s": {"from": a.predicted_step_s, "to": b.predicted_step_s,
                              "ratio": b.predicted_step_s / a.predicted_step_s if a.predicted_step_s else None},
         "memory_bytes": {"from": a.memory.total_bytes, "to": b.memory.total_bytes,
                          "delta": b.memory.total_bytes - a.memory.total_bytes},
-        "parameters_changed": params,
-        "nodes_changed": nodes,
     }
 
 
@@ -320,12 +325,13 @@ def _same_placement(x: str | None, y: str | None) -> bool:
 def diff_text(d: dict) -> str:
     step, mem = d["predicted_step_s"], d["memory_bytes"]
     lines = [f"cluster {d['cluster']['from']} -> {d['cluster']['to']}, mesh {d['mesh']['from']} -> {d['mesh']['to']}"
-             + ("" if d["same_model"] else "  (plans are for different models)"),
+             + ("" if d["same_model"] else "  (plans are for different models: placements not compared)"),
              f"predicted step {format_seconds(step['from'])} -> {format_seconds(step['to'])}"
              + (f" (x{step['ratio']:.3f})" if step["ratio"] else ""),
              f"memory per device {format_bytes(mem['from'])} -> {format_bytes(mem['to'])} "
              f"({'+' if mem['delta'] >= 0 else '-'}{format_bytes(abs(mem['delta']))})",
-             f"{len(d['parameters_changed'])} parameters and {len(d['nodes_changed'])} ops changed placement"]
+             *([f"{len(d['parameters_changed'])} parameters and {len(d['nodes_changed'])} ops changed placement"]
+               if d["same_model"] else [])]
     lines += [f"  {fqn}: {c['from']} -> {c['to']}" for fqn, c in list(d["parameters_changed"].items())[:20]]
     return "\n".join(lines)
 
@@ -334,8 +340,7 @@ def explain(plan: Plan, node: str) -> dict:
     """The chosen strategy of ``node`` and its best alternatives, each costed with every other
     node as planned: compute, resharding on its edges, memory, and how much slower it is."""
     if node not in plan.nodes:
-        close = sorted(n for n in plan.nodes if node in n)[:8]
-        raise KeyError(f"no node {node!r} in the plan" + (f"; similar: {', '.join(close)}" if close else ""))
+        raise KeyError(_no_such_node(plan, node))
     n = plan.nodes[node]
     chosen_total = n.compute_s + n.reshard_s
     rows = [{"chosen": True, "outputs": list(n.outputs), "inputs": list(n.inputs), "compute_s": n.compute_s,
@@ -350,6 +355,18 @@ def explain(plan: Plan, node: str) -> dict:
     if node in plan.symbolic.get("nodes", {}):
         result["formula"] = plan.symbolic["nodes"][node]  # FLOPs and bytes in the batch size
     return result
+
+
+def _no_such_node(plan: Plan, node: str) -> str:
+    """What to say when ``explain`` is asked for a name the plan has no node of: a parameter's
+    placement if it names one, else the nearest node names."""
+    if node in plan.parameters:
+        return (f"{node!r} is a parameter, not an op node: its placement is {plan.parameters[node].placement}; "
+                "explain takes an op node's name (autopar show --json lists them under top_nodes)")
+    by_lower = {n.lower(): n for n in plan.nodes}
+    close = [n for n in plan.nodes if node and node in n][:8] or \
+        [by_lower[n] for n in difflib.get_close_matches(node.lower(), list(by_lower), n=5, cutoff=0.5)]
+    return f"no node {node!r} in the plan" + (f"; similar: {', '.join(close)}" if close else "")
 
 
 def explain_text(e: dict) -> str:

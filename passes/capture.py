@@ -17,8 +17,10 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
+import io
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -168,9 +170,11 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
                            f"{type(model).__name__} has no parameters: there is nothing to shard or replicate; "
                            "parallelize the model that owns the weights")
     try:
-        # a fake kernel refusing the inputs logs its traceback: the error below names the cause once
+        # a fake kernel refusing the inputs logs its traceback, a guard on data its graph so far: the
+        # error below names the cause and the user's line once
         with computing_in(model, compute_dtype) as master_itemsize, training_forward(model), \
-                quiet_logs("torch._subclasses.fake_tensor"):
+                quiet_logs("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"), \
+                _no_partial_graph_printed():
             program = torch.export.export(model, args, strict=False)
         lower_fixed_bags(program)
         program = decompose(program)
@@ -198,6 +202,23 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
     captured.compute_dtype = compute_dtype
     log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
     return captured
+
+
+@contextlib.contextmanager
+def _no_partial_graph_printed():
+    """torch.export prints the graph traced so far to stderr when tracing fails (a dump of
+    dozens of lines above autopar's message, which names the user's line): drop that dump,
+    pass every other write to stderr through."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except Exception as exc:
+        graph = getattr(exc, "partial_fx_graph", None)
+        text = held.getvalue()
+        sys.stderr.write(text.replace(f"{graph}\n", "") if graph is not None else text)
+        raise
+    sys.stderr.write(held.getvalue())
 
 
 def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:

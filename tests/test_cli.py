@@ -227,9 +227,15 @@ BAD_FILES = {  # (files in the working folder, arguments, what the message says)
                       "called sys.exit(3)"),
     "input_beyond_memory": ({}, ["models:tiny_mlp", "--input", "x=1000000000000x1000000000000:float32"],
                             "more than half this machine's memory"),
-    "input_of_zero_rows": ({}, ["models:tiny_mlp", "--input", "x=0x16:float32"], "no elements"),
+    "input_of_zero_rows": ({}, ["models:tiny_mlp", "--input", "x=0x16:float32"], "has a dim of size 0"),
     "micro_batches_without_pipeline": ({}, ["models:tiny_mlp", "--micro-batches", "4"], "no pipeline plan is made"),
     "time_limit_1e300": ({}, ["models:tiny_mlp", "--time-limit", "1e300"], "time_limit_s must be"),
+    "memory_limit_words": ({}, ["models:tiny_mlp", "--memory-limit", "abc"], "is not an amount of memory"),
+    "memory_limit_minus_inf": ({}, ["models:tiny_mlp", "--memory-limit", "-inf"], "finite number of bytes, got -inf"),
+    "batch_split_negative": ({}, ["models:tiny_mlp", "--batch-split", "-1,9"], "every region needs at least one row"),
+    "input_unknown_dtype": ({}, ["models:tiny_mlp", "--input", "x=8x16:float99"], "'float99' is not a torch dtype"),
+    "input_given_twice": ({}, ["models:tiny_mlp", "--input", "x=8x16:float32", "--input", "x=8x16:float32"],
+                          "--input x is given more than once"),
 }
 
 
@@ -332,7 +338,13 @@ def test_torch_logs_no_traceback_before_autopar_s_message(tmp_path):
     assert done.returncode == 2 and "not in a subdirectory" in done.stderr, done.stderr
     wrong = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "--input", "x=8x17:float32")
     assert wrong.returncode == 2 and "forward fails on the example inputs" in wrong.stderr, wrong.stderr
-    for result in (done, wrong):
+    (tmp_path / "data_dep.py").write_text(
+        "import torch\nclass DataDep(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(16, 16)\n    def forward(self, x):\n"
+        "        return self.lin(x) if x.sum() > 0 else x\ndef build():\n    return DataDep(), (torch.randn(8, 16),)\n")
+    untraceable = autopar("plan", "data_dep:build", "--cluster", "2xH100", cwd=tmp_path)
+    assert untraceable.returncode == 1 and "data_dep.py:7" in untraceable.stderr, untraceable.stderr
+    for result in (done, wrong, untraceable):
         assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) <= 3, result.stderr
 
 
@@ -389,3 +401,43 @@ def test_validate_names_node_outputs_split_on_a_dim_they_lack(tmp_path, monkeypa
     assert cli.main(["validate", str(path), "models:tiny_mlp", "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert problems == ["node addmm: output 0 placement 'S(9)' splits dim 9, the output has 2 dims (shape [8, 32])"]
+
+
+def test_a_misspelt_option_is_named_with_the_nearest_one():
+    done = autopar("plan", "models:tiny_mlp", "--clustr", "2xH100")
+    assert done.returncode == 2 and "unknown option --clustr: did you mean --cluster?" in done.stderr, done.stderr
+
+
+def test_memory_limits_with_units_and_negative_values(monkeypatch, capsys):
+    from autopar import cli
+
+    monkeypatch.syspath_prepend(HERE)
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "--memory-limit", "1GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_limit_bytes"] == [2 ** 30] * 2
+    assert cli.main(["plan", "models:tiny_mlp", "--cluster", "2xH100", "--memory-limit", "-5"]) == 2
+    assert "memory limit must be positive" in capsys.readouterr().err
+
+
+def test_an_archive_of_fixed_shapes_says_so(tmp_path, monkeypatch, capsys):
+    from autopar import cli
+
+    model, x = MLP(), torch.randn(8, 16)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "mlp.pt2")
+    assert cli.main(["plan", str(tmp_path / "mlp.pt2"), "--cluster", "2xH100", "--input", "x=64x16:float32"]) == 2
+    err = capsys.readouterr().err
+    assert "exported for inputs of shapes [(8, 16)] and no dynamic dims" in err and "(64, 16)" in err, err
+
+
+def test_explain_and_diff_on_names_and_plans_that_do_not_match():
+    import autopar as package
+    from autopar.report import diff, diff_text, explain
+
+    plan = package.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100")
+    with pytest.raises(KeyError, match="similar: addmm"):
+        explain(plan, "ADDMM")
+    with pytest.raises(KeyError, match="'layers.0.weight' is a parameter, not an op node: its placement is"):
+        explain(plan, "layers.0.weight")
+    other = package.plan(torch.nn.Sequential(torch.nn.Linear(16, 4)), (torch.randn(8, 16),), cluster="2xH100")
+    changes = diff(plan, other)
+    assert not changes["same_model"] and changes["parameters_changed"] == {} and changes["nodes_changed"] == []
+    assert "placements not compared" in diff_text(changes)

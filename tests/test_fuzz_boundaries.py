@@ -114,3 +114,78 @@ def test_mutated_plan_files(tmp_path_factory, data):
     summary_json(loaded), summary(loaded), render(loaded)  # a plan that loads also shows
     for node in list(loaded.nodes)[:3]:
         explain(loaded, node)
+
+
+_NUMBERS = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 20, 10 ** 20), st.floats(allow_nan=True),
+                     st.text(max_size=6), st.lists(st.integers(-3, 9), max_size=4), st.tuples(st.integers(-3, 9)))
+
+
+@FAST
+@given(st.fixed_dictionaries({}, optional={name: _NUMBERS for name in (
+    "time_limit_s", "micro_batches", "mesh_shape", "batch_split", "bucket_cap_mb", "prefetch_layers")}))
+def test_numeric_plan_options(values):
+    """autopar.plan's numeric options: accepted as what they say, or a typed error."""
+    from autopar.planning import PlanOptions
+
+    try:
+        options = PlanOptions(**values)
+    except AutoparError:
+        return
+    assert 0 < options.time_limit_s <= 7 * 24 * 3600
+    for counts in (options.mesh_shape, options.batch_split):
+        assert counts is None or (isinstance(counts, tuple) and all(isinstance(c, int) and c >= 1 for c in counts))
+    assert options.micro_batches is None or options.micro_batches >= 1
+
+
+@FAST
+@given(st.one_of(
+    st.text(max_size=30),
+    st.builds(lambda name, dims, dtype: f"{name}={'x'.join(dims)}:{dtype}", st.sampled_from(["x", "", "tokens"]),
+              st.lists(st.text("0123456789", min_size=1, max_size=14), min_size=1, max_size=4),
+              st.sampled_from(["float32", "int64", "bfloat16", "float99", "Tensor", "bool"]))))
+def test_input_specs(spec):
+    """`--input NAME=SHAPE:DTYPE`: a tensor of that shape, or a usage error (exit 2) — never a
+    tensor larger than the machine can hold, never another exception."""
+    from autopar.model_files import UsageError, parse_input_spec
+
+    try:
+        tensor = parse_input_spec(spec, device="meta")
+    except UsageError:
+        return
+    assert tensor.dim() >= 1
+
+
+@FAST
+@given(st.one_of(st.text(max_size=30), st.builds(
+    lambda which, number, unit, latency: f"{which}={number}{unit}{latency}",
+    st.sampled_from(["a-b", "inter_node", "", "x"]), st.one_of(st.floats(allow_nan=True).map(str),
+                                                                st.integers(-5, 10 ** 30).map(str)),
+    st.sampled_from(["GBps", "Mbps", "", "TBps"]), st.sampled_from(["", "@40ms", "@-1us", "@1e300s", "@nan s"]))))
+def test_link_changes(text):
+    """`autopar replan --link`: a finite, bounded link, or a typed error."""
+    from autopar.cluster_file import parse_link_change
+
+    try:
+        which, bandwidth, latency = parse_link_change(text)
+    except AutoparError:
+        return
+    assert which and 0 < bandwidth <= 1e15 and (latency is None or 0 <= latency <= 7 * 24 * 3600)
+
+
+@FAST
+@given(st.one_of(st.text(max_size=12), st.builds(lambda n, u: f"{n}{u}", st.floats(allow_nan=True).map(str),
+                                                 st.sampled_from(["", "GB", "GiB", "gib", "XB", " MB"]))))
+def test_memory_limit_flags(text):
+    """`--memory-limit`: a number of bytes (its range checked like every memory limit), or
+    argparse's usage error naming the forms it takes."""
+    import argparse
+
+    from autopar.cli_args import memory_bytes
+
+    try:
+        value = memory_bytes(text)
+    except argparse.ArgumentTypeError as exc:
+        assert "bytes per device" in str(exc)
+        return
+    assert isinstance(value, float)
+    _cluster_or_error("2xH100", value)

@@ -19,7 +19,7 @@ Bottom to top, each layer and what it may import from the project:
             replica_lower, fuse, grad_sync, runtime,
             materialize}, autopar.parallel
   planning  autopar.planning, autopar.planning.*           all but the face
-  face      autopar (the package), autopar.{api, cli,      anything
+  face      autopar (the package), autopar.{api, cli, cli_args,     anything
             model_files, report, html_report, profile, trace}
 
 Where the less obvious modules sit, and why:
@@ -62,7 +62,7 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch")} | {"autopar.parallel"}
-FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "model_files", "report", "html_report",
+FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "model_files", "report", "html_report",
                                                 "profile", "timeline", "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 

@@ -104,3 +104,11 @@ def test_plan_files_accept_every_family_and_only_those():
     from autopar.plan_types import PLAN_FAMILIES
 
     assert tuple(FAMILIES) == PLAN_FAMILIES
+
+
+def test_plan_files_accept_every_exchange_the_passes_make():
+    from autopar.passes.expert_dispatch import EXPERT_DISPATCH
+    from autopar.passes.sparse import SPARSE_ALLGATHER, TABLE_WISE
+    from autopar.plan_types import NODE_EXCHANGES
+
+    assert {SPARSE_ALLGATHER, TABLE_WISE, EXPERT_DISPATCH} == set(NODE_EXCHANGES) - {""}

@@ -25,10 +25,10 @@ del plan  # the submodule autopar.plan; the name is the planning function below
 
 
 def __getattr__(name: str):
-    """``plan``, ``replan``, ``apply``, ``parallelize``, ``reshard`` and ``ParallelModule``, imported on first use: they
-    bring torch.distributed, DTensor, torch.export and the solver, which reading a plan
-    (``autopar show``) does not need."""
-    if name in ("plan", "replan", "apply", "parallelize", "reshard"):
+    """``plan``, ``replan``, ``apply``, ``parallelize``, ``reshard``, ``watch_links`` and ``ParallelModule``, imported
+    on first use: they bring torch.distributed, DTensor, torch.export and the solver, which
+    reading a plan (``autopar show``) does not need."""
+    if name in ("plan", "replan", "apply", "parallelize", "reshard", "watch_links"):
         from autopar import api
 
         return getattr(api, name)
@@ -40,5 +40,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "replan", "apply", "parallelize",
-           "reshard", "ParallelModule"]
+           "reshard", "watch_links", "ParallelModule"]
 __version__ = "0.1.0"

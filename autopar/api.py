@@ -120,6 +120,33 @@ def reshard(pmodel: ParallelModule, plan: Plan, *, model: nn.Module | None = Non
     return move(pmodel, plan, model, optimizer)
 
 
+def watch_links(pmodel: ParallelModule, cluster: "str | Cluster", model: nn.Module, example_inputs,
+                on_change: Callable, *, every: int = 100, threshold: float = 0.5, patience: int = 3,
+                probe_bytes: int = 4 << 20):
+    """Watch the links between ``pmodel``'s device groups while it trains (a pipeline or
+    replica plan; every rank calls this alike): every ``every`` steps ``pmodel.step`` times
+    each link with a ``probe_bytes`` ping-pong; when a link's measured bandwidth stays off
+    ``cluster``'s figure by more than ``threshold`` (0.5: 1.5× slower or faster) for
+    ``patience`` checks in a row, rank 0 re-plans ``model`` (:func:`replan`) for ``cluster``
+    with that link measured, and every rank's ``on_change(new_cluster, answer)`` gets the
+    answer (``answer.switch``, ``answer.reason``, ``answer.plan``). Nothing switches by
+    itself. Returns the :class:`autopar.planning.watch.LinkWatcher` (its ``readings``: every
+    check's measurements)."""
+    from autopar.planning.watch import LinkWatcher
+
+    if not isinstance(pmodel, ParallelModule):
+        raise AutoparError(ErrorKind.BAD_INPUT, f"watch_links() watches a ParallelModule (what autopar.apply or "
+                           f"autopar.parallelize returns), got {type(pmodel).__name__}")
+    if not callable(on_change):
+        raise AutoparError(ErrorKind.BAD_INPUT, "watch_links() needs on_change: a function (cluster, answer) called "
+                           "when a link drifts")
+    target = Cluster.from_spec(cluster)
+    pmodel.watcher = LinkWatcher(pmodel.plan, target, on_change,
+                                 lambda plan, changed: replan(plan, changed, model, example_inputs),
+                                 every=every, threshold=threshold, patience=patience, probe_bytes=probe_bytes)
+    return pmodel.watcher
+
+
 def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None" = None, *,
                 loss_fn: Callable | None = None, **options) -> ParallelModule:
     """Plan and apply in one call, inside a process group.

@@ -64,6 +64,8 @@ class ParallelModule(nn.Module):
         self._averages: bool | None = None  # whether loss_fn averages over rows (passes.split_loss)
         # lowers the plan at other input shapes and keeps each (passes.relower.Relowering)
         self.relowering = relowering
+        # watches the links between the plan's device groups after each step (autopar.watch_links)
+        self.watcher = None
         reordered = sorted(name for name, p in self.named_parameters() if hasattr(p, ROW_ORDER_ATTR))
         if reordered:
             self.register_state_dict_post_hook(_ReorderedExperts(reordered))
@@ -111,6 +113,12 @@ class ParallelModule(nn.Module):
 
     def step(self, *inputs, target=None) -> torch.Tensor:
         """One forward and backward; returns the (detached) loss, the same on every rank."""
+        loss = self._step(inputs, target)
+        if self.watcher is not None:
+            self.watcher.after_step()
+        return loss
+
+    def _step(self, inputs: tuple, target) -> torch.Tensor:
         if self.loss_fn is None:
             raise AutoparError(ErrorKind.BAD_INPUT,
                                "step() needs a loss function: pass loss_fn=fn (fn(output, target) -> scalar) to "

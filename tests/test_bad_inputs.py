@@ -110,7 +110,7 @@ def test_memory_too_small_reports_bytes_and_fixes():
 
 
 def test_nonpositive_memory_limit():
-    with pytest.raises(AutoparError, match="memory limit must be positive, got 0 bytes"):
+    with pytest.raises(AutoparError, match="memory limit must be positive, at least 1 byte, got 0 bytes"):
         autopar.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100", memory_limit=0)
 
 

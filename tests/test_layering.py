@@ -61,7 +61,7 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "training_forward", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
-                                            "prefetch")} | {"autopar.parallel"}
+                                            "prefetch", "link_probe")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "model_files", "report", "html_report",
                                                 "profile", "timeline", "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls

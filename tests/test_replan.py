@@ -260,3 +260,17 @@ def test_reshard_refuses_what_it_cannot_move(tmp_path):
         reshard(Running(plan), other)
     with pytest.raises(AutoparError, match="spans 4 devices and the new one 2"):
         reshard(Running(plan), autopar.plan(model, (x,), cluster="2xcpu", configuration="ddp"))
+
+
+def test_a_replica_plan_replans_at_the_rows_its_groups_share():
+    """A replica plan's graph is its largest group's share of the batch: replan checks the
+    model against that graph, not the whole batch's."""
+    from autopar.cluster import Cluster
+
+    model, x = ResidualMLP(64, 4), torch.randn(32, 64)
+    cluster = Cluster.from_spec(str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml"))
+    old = autopar.plan(model, (x,), cluster=cluster, replicas=True, batch_split=(24, 8))
+    assert old.family == "replicas"
+    answer = autopar.replan(old, cluster.with_link("a-b", 1e6), model, (x,))
+    assert answer.previous_step_s is None and answer.switch  # replica groups are not re-costed yet
+    assert answer.plan.predicted_step_s > 0

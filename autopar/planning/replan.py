@@ -51,14 +51,20 @@ class Replan:
         return answer | {"predicted_step_s": self.plan.predicted_step_s}
 
 
+def _planned_rows(plan: Plan) -> int:
+    """The batch rows a plan over device groups fingerprints its graph at: a pipeline's one
+    micro-batch, a replica plan's largest group's share (the plan its groups share)."""
+    if plan.replicas:
+        return next((r.batch for r in plan.replicas if r.fingerprint == plan.fingerprint), plan.replicas[0].batch)
+    return plan.inputs[0].shape[0] if plan.inputs and plan.inputs[0].shape else 1
+
+
 def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
     """The best plan of ``graphs`` on ``cluster``, warm-started from ``old``, with the cost of
     switching to it (see :class:`Replan`)."""
     from autopar.planning import choose
 
-    # a pipeline plan's graph is one micro-batch's
-    captured = graphs.at_rows(old.inputs[0].shape[0]) if old.stages and old.inputs and old.inputs[0].shape \
-        else graphs.full
+    captured = graphs.at_rows(_planned_rows(old)) if old.stages or old.replicas else graphs.full
     if captured.fingerprint != old.fingerprint:
         raise AutoparError(ErrorKind.BAD_PLAN, f"the plan was made for a different graph (fingerprint "
                            f"{old.fingerprint}, this model captures as {captured.fingerprint}); plan it afresh")

@@ -1,0 +1,147 @@
+"""Watch the links a running plan depends on, and re-plan when one drifts (issue 24, item 2).
+
+Cross-region links are shared: their bandwidth moves by several times over a day (DeepCEE
+re-partitions when measured bandwidth drifts from its profile). A :class:`LinkWatcher`
+attached to a ``ParallelModule`` (``autopar.watch_links``) times each link between the
+plan's device groups every ``every`` steps (passes.link_probe: one ping-pong per hop, a few
+MiB), compares the bandwidth it measures with the cluster's figure, and when a link stays
+off by more than ``threshold`` for ``patience`` checks in a row, re-plans the model for the
+cluster with that link's measured bandwidth (``autopar.replan``: rank 0 plans, every rank
+gets the answer) and calls ``on_change(cluster, answer)`` on every rank. Nothing switches by
+itself: the hook decides (``answer.switch``, ``answer.reason``; ``autopar.reshard`` moves
+the state for one-mesh plans). The watcher then compares with the new figure, so one drift
+calls the hook once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from autopar.cluster import Cluster
+from autopar.devices import MAX_LINK_BANDWIDTH_Bps
+from autopar.errors import AutoparError, ErrorKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkReading:
+    """One link at one check: the name ``Cluster.with_link`` takes (``a-b`` or ``inter_node``),
+    the bandwidth the cluster gives it, the one measured, and measured time over expected."""
+
+    link: str
+    planned_Bps: float
+    measured_Bps: float
+    slowdown: float
+
+
+class LinkWatcher:
+    """See the module docstring. ``probe(group_ranks, nbytes)`` times the hops (tests give a
+    stand-in); ``replan(plan, cluster)`` makes the answer (default: ``autopar.replan`` of
+    ``model`` on ``example_inputs``)."""
+
+    def __init__(self, plan, cluster: Cluster, on_change: Callable, replan: Callable, *, every: int = 100,
+                 threshold: float = 0.5, patience: int = 3, probe_bytes: int = 4 << 20,
+                 probe: Callable | None = None) -> None:
+        groups = plan.stages or plan.replicas
+        if len(groups) < 2:
+            raise AutoparError(ErrorKind.BAD_INPUT, "watch_links watches the links between a plan's device groups "
+                               "(pipeline stages, replicas); this plan runs on one mesh: plan with pipeline=True or "
+                               "replicas=True on a cluster of regions to have links to watch")
+        for name, value, low in (("every", every, 1), ("patience", patience, 1), ("probe_bytes", probe_bytes, 4)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise AutoparError(ErrorKind.BAD_INPUT, f"watch_links: {name} must be a whole number of {low} or "
+                                   f"more, got {value!r}")
+        if not isinstance(threshold, (int, float)) or not 0 < threshold < float("inf"):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"watch_links: threshold is the relative drift that counts (0.5: "
+                               f"50% slower or faster), a positive number; got {threshold!r}")
+        self.plan, self.cluster, self.on_change, self.replan = plan, cluster, on_change, replan
+        self.every, self.threshold, self.patience, self.probe_bytes = every, threshold, patience, probe_bytes
+        if probe is None:
+            from autopar.passes.link_probe import probe_hops as probe
+        self.probe = probe
+        self.group_ranks = [tuple(g.ranks) for g in groups]
+        self.hops = [_link_name(cluster, a.group, b.group) for a, b in zip(groups, groups[1:])]
+        self.steps = 0
+        self.readings: list[list[LinkReading]] = []  # every check's, in order
+        self._streak: dict[str, list[float]] = {}  # link -> measured bandwidths of its current run off
+
+    def after_step(self):
+        """Called by ``ParallelModule.step`` on every rank: a check every ``every`` steps.
+        Returns the re-plan answer when a link drifted (the hook got it too), else None."""
+        self.steps += 1
+        return self.check() if self.steps % self.every == 0 else None
+
+    def check(self):
+        """Time the links now; re-plan and call the hook when one has drifted for ``patience``
+        checks in a row."""
+        times = self.probe(self.group_ranks, self.probe_bytes)
+        readings = [self._reading(link, seconds) for link, seconds in zip(self.hops, times)]
+        self.readings.append(readings)
+        for reading in readings:
+            off = not 1 / (1 + self.threshold) <= reading.slowdown <= 1 + self.threshold
+            self._streak[reading.link] = [*self._streak.get(reading.link, []), reading.measured_Bps] if off else []
+        drifted = {link: statistics.median(seen) for link, seen in self._streak.items() if len(seen) >= self.patience}
+        if not drifted:
+            return None
+        cluster = self.cluster
+        for link, bandwidth in drifted.items():
+            log.warning("link %s measured at %.3g GB/s for %d checks in a row; the cluster gives it %.3g GB/s", link,
+                        bandwidth / 1e9, len(self._streak[link]), _link_of(cluster, link).bandwidth_Bps / 1e9)
+            cluster = cluster.with_link(link, bandwidth)
+        answer = self._replanned(cluster)
+        self.cluster, self._streak = cluster, {}
+        if answer is not None:
+            self.on_change(cluster, answer)
+        return answer
+
+    def _reading(self, link: str, seconds: float) -> LinkReading:
+        planned = _link_of(self.cluster, link)
+        moving_s = self.probe_bytes / planned.bandwidth_Bps
+        # the time above the link's latency is the bytes moving: bandwidth = bytes / that time
+        measured_Bps = min(MAX_LINK_BANDWIDTH_Bps, self.probe_bytes / max(seconds - planned.latency_s, 1e-9))
+        return LinkReading(link, planned.bandwidth_Bps, measured_Bps, max(seconds - planned.latency_s, 0.0) / moving_s)
+
+    def _replanned(self, cluster: Cluster):
+        """``replan(plan, cluster)`` on rank 0, the answer (or its error) sent to every rank."""
+        box: list = [None]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            try:
+                box[0] = self.replan(self.plan, cluster)
+            except AutoparError as exc:  # every rank learns it
+                box[0] = exc
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], AutoparError):
+            log.warning("a link drifted (%s) but re-planning failed: %s", cluster.describe(), box[0].message)
+            return None
+        log.warning("a link drifted: re-planned for %s; %s", cluster.describe(), getattr(box[0], "reason", box[0]))
+        return box[0]
+
+
+def _link_name(cluster: Cluster, a: str, b: str) -> str:
+    """What ``Cluster.with_link`` calls the link between groups ``a`` and ``b``: the WAN link
+    between their regions, or the network between hosts of one region."""
+    home_a, home_b = _region_of(cluster, a), _region_of(cluster, b)
+    if home_a is not None and home_b is not None and home_a != home_b:
+        return f"{home_a}-{home_b}"
+    return "inter_node"
+
+
+def _region_of(cluster: Cluster, group: str) -> str | None:
+    """The region of a device group: a region's own name, or the one a host split cut it from
+    (``a/host0``); None for host groups of a cluster without regions (``hosts0-1``)."""
+    region = cluster.home_region(group).split("/", 1)[0]
+    return region if region in set(cluster.host_regions) else None
+
+
+def _link_of(cluster: Cluster, name: str):
+    if name in ("intra_node", "inter_node"):
+        return cluster.intra_link if name == "intra_node" else cluster.inter_link
+    a, b = next((x, y) for x, y, _ in cluster.wan_links if f"{x}-{y}" == name or f"{y}-{x}" == name)
+    return cluster.wan_link(a, b)

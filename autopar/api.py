@@ -123,9 +123,10 @@ def reshard(pmodel: ParallelModule, plan: Plan, *, model: nn.Module | None = Non
 def watch_links(pmodel: ParallelModule, cluster: "str | Cluster", model: nn.Module, example_inputs,
                 on_change: Callable, *, every: int = 100, threshold: float = 0.5, patience: int = 3,
                 probe_bytes: int = 4 << 20):
-    """Watch the links between ``pmodel``'s device groups while it trains (a pipeline or
-    replica plan; every rank calls this alike): every ``every`` steps ``pmodel.step`` times
-    each link with a ``probe_bytes`` ping-pong; when a link's measured bandwidth stays off
+    """Watch the links ``pmodel``'s plan crosses while it trains — between its device groups
+    (pipeline stages, replicas), or between the regions or hosts its mesh spans; every rank
+    calls this alike: every ``every`` steps ``pmodel.step`` times each link with a
+    ``probe_bytes`` ping-pong; when a link's measured bandwidth stays off
     ``cluster``'s figure by more than ``threshold`` (0.5: 1.5× slower or faster) for
     ``patience`` checks in a row, rank 0 re-plans ``model`` (:func:`replan`) for ``cluster``
     with that link measured, and every rank's ``on_change(new_cluster, answer)`` gets the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any, Union
@@ -29,6 +30,9 @@ NODE_EXCHANGES = ("", "sparse_allgather", "table_wise", "expert_dispatch")
 # the keys every node and parameter entry of a plan file has (the others have defaults)
 _NODE_FIELDS = ("op", "outputs", "inputs", "compute_s", "fallback", "reshard_s", "alternatives")
 _PARAMETER_FIELDS = ("placement", "bytes", "exchange")
+# plan.cluster["spec"]: Cluster.describe()'s forms, one region or several
+_CLUSTER_SPEC = re.compile(r"^(\d+x){1,2}\S+$")
+_REGION_SPEC = re.compile(r"^.+:\d+x\d+x\S+$")
 # the plan's fields a reader indexes as objects: checked before the dataclasses are built
 _OBJECTS = ("nodes", "parameters", "buffers", "memory", "cluster", "solver", "options", "baselines", "families")
 
@@ -53,6 +57,10 @@ def check_plan_types(plan, source: str) -> None:
     _check_dataclass(plan, "", source)
     _need(plan.cluster, {"spec": str, "memory_limit_bytes": int}, "cluster", source)
     _need(plan.cluster, {"hosts": int, "devices_per_host": int}, "cluster", source, optional=True)
+    if not _CLUSTER_SPEC.match(plan.cluster["spec"]) and not all(_REGION_SPEC.match(part)
+                                                              for part in plan.cluster["spec"].split(" + ")):
+        _fail(source, "cluster.spec", "the cluster as autopar describes it ('8xH100', '2x8xA100-80GB' or "
+              "'a:1x8xH100 + b:1x8xV100-32GB')", plan.cluster["spec"])
     for key in ("memory_limit_bytes", "hosts", "devices_per_host"):
         if plan.cluster.get(key, 1) < 1:
             _fail(source, f"cluster.{key}", "a positive integer", plan.cluster[key])

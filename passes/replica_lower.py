@@ -84,7 +84,10 @@ def lower_replicas(model: nn.Module, plan: Plan, loss_fn: Callable | None, devic
                    ) -> tuple[torch.fx.GraphModule, ReplicaRuntime]:
     meshes, lanes, g, lane = group_meshes(plan.replicas, device_type)
     replica = plan.replicas[g]
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    # the graph is captured on inputs where the weights are: a model built on meta (autopar.reshard's
+    # stand-in, a model too large to build) is captured on meta inputs
+    devices = [p.device for p in model.parameters()]
+    device = next((d for d in devices if d.type != "meta"), devices[0] if devices else torch.device("cpu"))
     inputs = tuple(torch.zeros((replica.batch, *spec.shape[1:]), dtype=getattr(torch, spec.dtype), device=device)
                    for spec in plan.inputs)
     captured = capture(model, inputs, compute_dtype_of(plan))

@@ -259,6 +259,8 @@ CASES = [
      lambda t: _load(t, _edit(lambda d: d["parameters"]["layers.0.weight"].pop("placement"))())),
     ("a JSON file given as the cluster", ErrorKind.BAD_CLUSTER, ["cluster files are YAML"],
      lambda t: (t / "c.json").write_text("{}") and _mlp_plan(cluster=str(t / "c.json"))),
+    ("plan with a cluster that is no cluster", ErrorKind.BAD_PLAN, ["cluster.spec", "'banana'"],
+     lambda t: _load(t, _edit(lambda d: d["cluster"].update(spec="banana"))())),
     ("plan whose parameters are null", ErrorKind.BAD_PLAN, ["field parameters should be an object", "None"],
      lambda t: _load(t, _edit(lambda d: d.update(parameters=None))())),
 ]

@@ -183,6 +183,61 @@ def test_a_pipeline_plan_is_recosted_on_the_changed_links():
         recost_pipeline(graphs, old, Cluster.from_spec("2xcpu"), PlanOptions.of_plan(old))
 
 
+def _one_process(model, x, target, steps: int):
+    """A copy of ``model`` after ``steps`` AdamW steps in one process, and its optimizer."""
+    import copy
+
+    from torch.nn.functional import mse_loss
+
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ref_opt.zero_grad()
+        mse_loss(reference(x), target).backward()
+        ref_opt.step()
+    return reference, ref_opt
+
+
+def _train_switching(model, plans, x, target, steps: int, meta=None):
+    """``steps`` AdamW steps under each of ``plans`` in turn, switching with autopar.reshard:
+    the model and optimizer at the end, and whether each switch kept the first weight's mesh."""
+    from torch.nn.functional import mse_loss
+
+    pmodel = autopar.apply(model, plans[0], loss_fn=mse_loss)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
+    same_mesh = []
+    for k, plan in enumerate(plans):
+        if k:
+            before = getattr(next(pmodel.parameters()), "device_mesh", None)
+            pmodel, optimizer = autopar.reshard(pmodel, plan, model=meta, optimizer=optimizer)
+            same_mesh.append(getattr(next(pmodel.parameters()), "device_mesh", None) == before)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            pmodel.step(x, target=target)
+            optimizer.step()
+    return pmodel, optimizer, same_mesh
+
+
+def _differences(pmodel, optimizer, reference, ref_opt) -> tuple[float, float]:
+    """The largest difference, over every rank, between the parameters and AdamW moments this
+    rank holds and the one-process run's."""
+    import torch.distributed as dist
+
+    state = pmodel.full_state_dict()  # under a pipeline plan: this rank's stage
+    mine = dict(pmodel.named_parameters())
+    worst = torch.zeros(2, dtype=torch.float64)
+    for name, p in reference.named_parameters():
+        if name not in state:
+            continue
+        worst[0] = max(worst[0].item(), (state[name] - p).abs().max().item())
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = optimizer.state[mine[name]][key]
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            worst[1] = max(worst[1].item(), (value - ref_opt.state[p][key]).abs().max().item())
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst[0].item(), worst[1].item()
+
+
 def _reshard_worker(steps: int):
     """``steps`` AdamW steps of a ResidualMLP under a DDP plan on this rank, ``autopar.reshard``
     to an FSDP plan on the same mesh (DTensor's redistribute) and ``steps`` more, then to a
@@ -190,42 +245,14 @@ def _reshard_worker(steps: int):
     values move whole, each rank keeping its slice) and ``steps`` more: the largest difference
     from one process's ``3·steps`` steps, in parameters and in AdamW's two moments, the three
     plans' weight placements and meshes, and whether each switch kept the device mesh."""
-    import copy
-
-    from torch.nn.functional import mse_loss
-
     torch.manual_seed(0)
     model, x, target = ResidualMLP(64, 2), torch.randn(32, 64), torch.randn(32, 64)
-    reference = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for _ in range(3 * steps):
-        ref_opt.zero_grad()
-        mse_loss(reference(x), target).backward()
-        ref_opt.step()
+    reference, ref_opt = _one_process(model, x, target, 3 * steps)
     plans = [autopar.plan(model, (x,), cluster="4xcpu", configuration="ddp"),
              autopar.plan(model, (x,), cluster="4xcpu", configuration="fsdp"),
              autopar.plan(model, (x,), cluster="4xcpu", mesh_shape=(2, 2), configuration="tp_dp")]
-    pmodel = autopar.apply(model, plans[0], loss_fn=mse_loss)
-    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
-    same_mesh = []
-    for k, plan in enumerate(plans):
-        if k:
-            before = next(pmodel.parameters()).device_mesh
-            pmodel, optimizer = autopar.reshard(pmodel, plan, optimizer=optimizer)
-            same_mesh.append(next(pmodel.parameters()).device_mesh == before)
-        for _ in range(steps):
-            optimizer.zero_grad()
-            pmodel.step(x, target=target)
-            optimizer.step()
-    state = pmodel.full_state_dict()
-    error = max((state[name] - p).abs().max().item() for name, p in reference.named_parameters())
-    moments = 0.0
-    mine = dict(pmodel.named_parameters())
-    for name, p in reference.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            value = optimizer.state[mine[name]][key]
-            value = value.full_tensor() if hasattr(value, "full_tensor") else value
-            moments = max(moments, (value - ref_opt.state[p][key]).abs().max().item())
+    pmodel, optimizer, same_mesh = _train_switching(model, plans, x, target, steps)
+    error, moments = _differences(pmodel, optimizer, reference, ref_opt)
     placements = [sorted({p.placement for p in plan.parameters.values()}) for plan in plans]
     return error, moments, placements, [list(plan.mesh_shape) for plan in plans], same_mesh
 
@@ -262,6 +289,7 @@ def test_reshard_refuses_what_it_cannot_move(tmp_path):
         reshard(Running(plan), autopar.plan(model, (x,), cluster="2xcpu", configuration="ddp"))
 
 
+
 def test_a_replica_plan_replans_at_the_rows_its_groups_share():
     """A replica plan's graph is its largest group's share of the batch: replan checks the
     model against that graph, not the whole batch's."""
@@ -274,3 +302,55 @@ def test_a_replica_plan_replans_at_the_rows_its_groups_share():
     answer = autopar.replan(old, cluster.with_link("a-b", 1e6), model, (x,))
     assert answer.previous_step_s is None and answer.switch  # replica groups are not re-costed yet
     assert answer.plan.predicted_step_s > 0
+
+
+def _replica_reshard_worker(steps: int):
+    """``steps`` AdamW steps under data-parallel replicas on two regions of two ranks (the
+    batch split 16 + 16), ``autopar.reshard`` to FSDP over one mesh of all four, ``steps``
+    more, back to replicas splitting 24 + 8, ``steps`` more: the largest difference from one
+    process's ``3·steps`` steps in parameters and AdamW moments, and the three families."""
+    import copy
+
+    cluster = str(pathlib.Path(__file__).parent / "clusters" / "four_cpu_regions.yaml")
+    torch.manual_seed(0)
+    model, x, target = ResidualMLP(64, 2), torch.randn(32, 64), torch.randn(32, 64)
+    reference, ref_opt = _one_process(model, x, target, 3 * steps)
+    plans = [autopar.plan(model, (x,), cluster=cluster, replicas=True, batch_split=(16, 16)),
+             autopar.plan(model, (x,), cluster=cluster, configuration="fsdp"),
+             autopar.plan(model, (x,), cluster=cluster, replicas=True, batch_split=(24, 8))]
+    pmodel, optimizer, _ = _train_switching(model, plans, x, target, steps, meta=copy.deepcopy(model).to("meta"))
+    return (*_differences(pmodel, optimizer, reference, ref_opt), [plan.family for plan in plans])
+
+
+def test_reshard_moves_state_into_and_out_of_replica_groups():
+    from tests.distributed import run_world
+
+    error, moments, families = run_world(4, _replica_reshard_worker, 2)
+    assert families == ["replicas", "one_mesh", "replicas"]
+    assert error < 1e-5 and moments < 1e-6, (error, moments)
+
+
+def _pipeline_reshard_worker(steps: int):
+    """``steps`` AdamW steps under pipeline stages over two regions (a rank holds one stage),
+    ``autopar.reshard`` to FSDP over both ranks, ``steps`` more, back to the pipeline with other
+    micro-batches, ``steps`` more: the largest difference from one process's ``3·steps`` steps,
+    in parameters and in AdamW's moments, and the three families."""
+    import copy
+
+    cluster = str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml")
+    torch.manual_seed(0)
+    model, x, target = ResidualMLP(64, 4), torch.randn(32, 64), torch.randn(32, 64)
+    reference, ref_opt = _one_process(model, x, target, 3 * steps)
+    plans = [autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=4),
+             autopar.plan(model, (x,), cluster=cluster, configuration="fsdp"),
+             autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2)]
+    pmodel, optimizer, _ = _train_switching(model, plans, x, target, steps, meta=copy.deepcopy(model).to("meta"))
+    return (*_differences(pmodel, optimizer, reference, ref_opt), [plan.family for plan in plans])
+
+
+def test_reshard_moves_state_into_and_out_of_pipeline_stages():
+    from tests.distributed import run_world
+
+    error, moments, families = run_world(2, _pipeline_reshard_worker, 2)
+    assert families == ["pipeline", "one_mesh", "pipeline"]
+    assert error < 1e-5 and moments < 1e-6, (error, moments)

@@ -29,7 +29,7 @@ def _pipeline_plan():
 def _scripted(times):
     """A probe returning the given one-way seconds, one check after another."""
     queue = list(times)
-    return lambda group_ranks, nbytes: [queue.pop(0)] * (len(group_ranks) - 1)
+    return lambda pairs, nbytes: [queue.pop(0)] * len(pairs)
 
 
 def test_a_link_off_for_patience_checks_calls_the_hook_once_with_the_measured_bandwidth():
@@ -58,9 +58,23 @@ def test_a_link_off_for_patience_checks_calls_the_hook_once_with_the_measured_ba
     assert [round(r.slowdown) for checks in watcher.readings for r in checks] == [1, 10, 1, 10, 10, 1]
 
 
-def test_the_watcher_refuses_a_one_mesh_plan_and_bad_settings():
+def test_which_links_a_plan_crosses():
+    """Pipeline and replica plans: between consecutive groups; one mesh: between regions, or
+    between hosts of one region; nothing on one host."""
+    from autopar.planning.watch import _hops
+
+    staged, _, _ = _pipeline_plan()
+    assert _hops(staged, Cluster.from_spec(TWO_REGIONS)) == [((0, 1), "a-b")]
+    four = os.path.join(HERE, "clusters", "four_cpu_regions.yaml")  # two regions of two
+    one_mesh = autopar.plan(torch.nn.Linear(4, 4), (torch.randn(4, 4),), cluster=four)
+    assert one_mesh.family == "one_mesh" and _hops(one_mesh, Cluster.from_spec(four)) == [((0, 2), "a-b")]
+    hosts = autopar.plan(torch.nn.Linear(4, 4), (torch.randn(4, 4),), cluster="2x2xcpu")
+    assert _hops(hosts, Cluster.from_spec("2x2xcpu")) == [((0, 2), "inter_node")]
+
+
+def test_the_watcher_refuses_a_plan_on_one_host_and_bad_settings():
     plan = autopar.plan(torch.nn.Linear(4, 4), (torch.randn(2, 4),), cluster="2xcpu")
-    with pytest.raises(AutoparError, match="this plan runs on one mesh"):
+    with pytest.raises(AutoparError, match="this plan runs on one host of 2xcpu"):
         LinkWatcher(plan, Cluster.from_spec("2xcpu"), print, print)
     staged, _, _ = _pipeline_plan()
     with pytest.raises(AutoparError, match="patience must be a whole number of 1 or more"):
@@ -87,7 +101,7 @@ def _train_through_a_slowdown() -> dict:
     from autopar.passes.link_probe import probe_hops
 
     nbytes = 16 << 20
-    one_way = min(min(probe_hops([st.ranks for st in plan.stages], nbytes)) for _ in range(3))
+    one_way = min(min(probe_hops([(0, 1)], nbytes)) for _ in range(3))
     profiled = Cluster.from_spec(TWO_REGIONS).with_link("a-b", nbytes / one_way, latency_s=0.0)
     seen = []
     watcher = autopar.watch_links(pmodel, profiled, model, inputs, lambda c, a: seen.append((c, a)),

@@ -8,9 +8,14 @@ once and each rank keeping its own slice of it. Optimizer states shaped like the
 parameter (AdamW's ``exp_avg``, ``exp_avg_sq``) move with it; scalars (``step``) are copied.
 The new optimizer is the old one's class with its parameter groups and hyper-parameters.
 
+Data-parallel replica plans switch too, either way: each group holds every parameter (on
+its own mesh), so every rank can gather the whole value within its group and keep its slice
+of the new layout. Under a pipeline plan a rank holds one stage: values then travel whole
+from a rank that holds them (:mod:`.move_staged`).
+
 What is not moved: gradients (call it between steps, after ``optimizer.step()``), and plans
-over several device groups or with expert weights living on one device (those switch
-through a sharded checkpoint, ``torch.distributed.checkpoint``, for now).
+with expert weights living on one device or in a balanced order (those switch through a
+sharded checkpoint, ``torch.distributed.checkpoint``, for now).
 """
 
 from __future__ import annotations
@@ -44,6 +49,11 @@ def reshard(pmodel: nn.Module, plan: Plan, model: nn.Module | None = None,
     old_parameters = dict(pmodel.named_parameters(remove_duplicate=False))
     _check_layouts(old_parameters.values(), "running")
     _check_layouts(new.parameters(), "new")
+    if "pipeline" in (pmodel.plan.family, plan.family):  # a rank holds one stage: values travel whole
+        from autopar.planning.move_staged import move_through_broadcast
+
+        switched = move_through_broadcast(pmodel, new, source, optimizer)
+        return new if optimizer is None else (new, switched)
     with torch.no_grad():
         for name, target in new.named_parameters(remove_duplicate=False):
             _assign(target, moved(old_parameters[name], target))
@@ -80,18 +90,23 @@ def _check_switch(pmodel: nn.Module, plan: Plan) -> None:
     if not isinstance(plan, Plan):
         raise AutoparError(ErrorKind.BAD_INPUT, f"reshard() needs an autopar.Plan to switch to, got "
                            f"{type(plan).__name__}")
-    if running.fingerprint != plan.fingerprint:
+    if not _same_model(running, plan):
         raise AutoparError(ErrorKind.BAD_PLAN, f"the new plan was made for a different graph (fingerprint "
                            f"{plan.fingerprint}, the running model's {running.fingerprint}); plan this model")
-    families = {running.family, plan.family}
-    if families != {"one_mesh"}:
-        raise AutoparError(ErrorKind.BAD_PLAN, "reshard() moves state between one-mesh plans; a plan over several "
-                           "device groups (pipeline stages, replicas) switches through a sharded checkpoint for now "
-                           "(torch.distributed.checkpoint of pmodel.state_dict(), then apply the new plan and load)")
     if running.num_devices != plan.num_devices:
         raise AutoparError(ErrorKind.WORLD_MISMATCH, f"the running plan spans {running.num_devices} devices and the "
                            f"new one {plan.num_devices}: a change of world size switches through a sharded "
                            "checkpoint (torch.distributed.checkpoint), not in place")
+
+
+def _same_model(a: Plan, b: Plan) -> bool:
+    """Whether two plans are of one model: the same graph; for plans over device groups
+    (their graphs are a micro-batch's or one group's share), the same parameters, name by name
+    and size by size."""
+    if a.fingerprint == b.fingerprint:
+        return True
+    sizes = ({name: p.bytes for name, p in plan.parameters.items()} for plan in (a, b))
+    return {a.family, b.family} != {"one_mesh"} and next(sizes) == next(sizes)
 
 
 def _check_layouts(parameters, which: str) -> None:

@@ -2,14 +2,15 @@
 
 Cross-region links are shared: their bandwidth moves by several times over a day (DeepCEE
 re-partitions when measured bandwidth drifts from its profile). A :class:`LinkWatcher`
-attached to a ``ParallelModule`` (``autopar.watch_links``) times each link between the
-plan's device groups every ``every`` steps (passes.link_probe: one ping-pong per hop, a few
-MiB), compares the bandwidth it measures with the cluster's figure, and when a link stays
+attached to a ``ParallelModule`` (``autopar.watch_links``) times each link the plan
+crosses every ``every`` steps — between its device groups (pipeline stages, replicas), or
+between the regions or hosts its mesh spans (passes.link_probe: one ping-pong per link, a
+few MiB) — compares the bandwidth it measures with the cluster's figure, and when a link stays
 off by more than ``threshold`` for ``patience`` checks in a row, re-plans the model for the
 cluster with that link's measured bandwidth (``autopar.replan``: rank 0 plans, every rank
 gets the answer) and calls ``on_change(cluster, answer)`` on every rank. Nothing switches by
 itself: the hook decides (``answer.switch``, ``answer.reason``; ``autopar.reshard`` moves
-the state for one-mesh plans). The watcher then compares with the new figure, so one drift
+the state to the new plan). The watcher then compares with the new figure, so one drift
 calls the hook once.
 """
 
@@ -41,18 +42,18 @@ class LinkReading:
 
 
 class LinkWatcher:
-    """See the module docstring. ``probe(group_ranks, nbytes)`` times the hops (tests give a
-    stand-in); ``replan(plan, cluster)`` makes the answer (default: ``autopar.replan`` of
-    ``model`` on ``example_inputs``)."""
+    """See the module docstring. ``probe(pairs, nbytes)`` times the links, one rank pair each
+    (tests give a stand-in); ``replan(plan, cluster)`` makes the answer (``autopar.watch_links``
+    gives ``autopar.replan`` of the model on its example inputs)."""
 
     def __init__(self, plan, cluster: Cluster, on_change: Callable, replan: Callable, *, every: int = 100,
                  threshold: float = 0.5, patience: int = 3, probe_bytes: int = 4 << 20,
                  probe: Callable | None = None) -> None:
-        groups = plan.stages or plan.replicas
-        if len(groups) < 2:
-            raise AutoparError(ErrorKind.BAD_INPUT, "watch_links watches the links between a plan's device groups "
-                               "(pipeline stages, replicas); this plan runs on one mesh: plan with pipeline=True or "
-                               "replicas=True on a cluster of regions to have links to watch")
+        hops = _hops(plan, cluster)
+        if not hops:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"watch_links watches the links between hosts, regions or the "
+                               f"plan's device groups; this plan runs on one host of {cluster.describe()}: there is "
+                               "no such link to watch")
         for name, value, low in (("every", every, 1), ("patience", patience, 1), ("probe_bytes", probe_bytes, 4)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise AutoparError(ErrorKind.BAD_INPUT, f"watch_links: {name} must be a whole number of {low} or "
@@ -65,8 +66,8 @@ class LinkWatcher:
         if probe is None:
             from autopar.passes.link_probe import probe_hops as probe
         self.probe = probe
-        self.group_ranks = [tuple(g.ranks) for g in groups]
-        self.hops = [_link_name(cluster, a.group, b.group) for a, b in zip(groups, groups[1:])]
+        self.pairs = [pair for pair, _ in hops]
+        self.hops = [link for _, link in hops]
         self.steps = 0
         self.readings: list[list[LinkReading]] = []  # every check's, in order
         self._streak: dict[str, list[float]] = {}  # link -> measured bandwidths of its current run off
@@ -80,12 +81,16 @@ class LinkWatcher:
     def check(self):
         """Time the links now; re-plan and call the hook when one has drifted for ``patience``
         checks in a row."""
-        times = self.probe(self.group_ranks, self.probe_bytes)
+        times = self.probe(self.pairs, self.probe_bytes)
         readings = [self._reading(link, seconds) for link, seconds in zip(self.hops, times)]
         self.readings.append(readings)
-        for reading in readings:
-            off = not 1 / (1 + self.threshold) <= reading.slowdown <= 1 + self.threshold
-            self._streak[reading.link] = [*self._streak.get(reading.link, []), reading.measured_Bps] if off else []
+        by_link: dict[str, list[LinkReading]] = {}
+        for reading in readings:  # several hops may cross one link (hosts of a region): their median counts
+            by_link.setdefault(reading.link, []).append(reading)
+        for link, seen in by_link.items():
+            middle = sorted(seen, key=lambda r: r.slowdown)[len(seen) // 2]
+            off = not 1 / (1 + self.threshold) <= middle.slowdown <= 1 + self.threshold
+            self._streak[link] = [*self._streak.get(link, []), middle.measured_Bps] if off else []
         drifted = {link: statistics.median(seen) for link, seen in self._streak.items() if len(seen) >= self.patience}
         if not drifted:
             return None
@@ -122,6 +127,25 @@ class LinkWatcher:
             return None
         log.warning("a link drifted: re-planned for %s; %s", cluster.describe(), getattr(box[0], "reason", box[0]))
         return box[0]
+
+
+def _hops(plan, cluster: Cluster) -> list[tuple[tuple[int, int], str]]:
+    """The links to time, each as (the two ranks that probe it, its name for
+    ``Cluster.with_link``): between consecutive device groups of a pipeline or replica plan;
+    for a plan over one mesh, between the first hosts of every two regions, or — one region
+    of several hosts — between the first two hosts."""
+    groups = plan.stages or plan.replicas
+    if groups:
+        return [((a.ranks[0], b.ranks[0]), _link_name(cluster, a.group, b.group)) for a, b in zip(groups, groups[1:])]
+    first_host = {}
+    for host in range(cluster.hosts):
+        first_host.setdefault(cluster.region_of(host), host)
+    if len(first_host) > 1:
+        return [((first_host[a] * cluster.devices_per_host, first_host[b] * cluster.devices_per_host), f"{a}-{b}")
+                for a, b, _ in cluster.wan_links]
+    if cluster.hosts > 1:
+        return [((0, cluster.devices_per_host), "inter_node")]
+    return []
 
 
 def _link_name(cluster: Cluster, a: str, b: str) -> str:

@@ -24,7 +24,7 @@ import warnings
 import zipfile
 
 from autopar.errors import AutoparError, ErrorKind, first_line
-from autopar.plan import user_mode
+from autopar.files import user_mode
 
 DCP_METADATA = ".metadata"  # every DCP checkpoint folder holds it (FileSystemWriter)
 

@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 
-from autopar.cli_args import attach_dash_values, batch_sizes, memory_bytes, rows_per_region, unknown_option_hint
+from autopar.cli_args import (HintingParser, attach_dash_values, batch_sizes, memory_bytes, rows_per_region,
+                              subparsers, value_options)
 from autopar.errors import AutoparError, ErrorKind, first_line
 from autopar.model_files import UsageError, load_model
 from autopar.units import format_bytes
@@ -36,7 +37,7 @@ EXAMPLES = {
 
 def _writable_output(path: str | None) -> None:
     """Refuse an output path that cannot be written before any work is done."""
-    from autopar.plan import output_problem
+    from autopar.files import output_problem
 
     problem = None if path is None else output_problem(path)
     if problem:
@@ -307,31 +308,8 @@ def _cmd_checkpoint(args) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors also name misspelt options (``--clustr``: did
-    you mean ``--cluster``?) — argparse reports the required option as missing instead."""
-
-    seen_argv: list[str] = []
-
-    def error(self, message: str):
-        known = {o for action in self._actions for o in action.option_strings}
-        hint = unknown_option_hint(self.seen_argv, known) if "unrecognized" not in message else ""
-        super().error(f"{message}; {hint}" if hint else message)
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    return [sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
-            for sub in action.choices.values()]
-
-
-def _value_options(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option of every command that takes a value (``--cluster``, ``--memory-limit`` …)."""
-    return {o for sub in _subparsers(parser) for action in sub._actions if action.option_strings
-            and isinstance(action, (argparse._StoreAction, argparse._AppendAction)) for o in action.option_strings}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
+    parser = HintingParser(prog="autopar", description="Plan tensor/data parallelism for PyTorch models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -448,8 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = attach_dash_values(sys.argv[1:] if argv is None else list(argv), _value_options(parser))
-    for sub_parser in (parser, *_subparsers(parser)):
+    argv = attach_dash_values(sys.argv[1:] if argv is None else list(argv), value_options(parser))
+    for sub_parser in (parser, *subparsers(parser)):
         sub_parser.seen_argv = argv
     args = parser.parse_args(argv)  # argparse exits with 2 on usage errors
     if args.verbose:  # the phases as log lines, also where no spinner shows (pipes, CI logs)

@@ -87,3 +87,26 @@ def unknown_option_hint(argv: list[str], known: set[str]) -> str:
             close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
             hints.append(f"unknown option {name}" + (f": did you mean {close[0]}?" if close else ""))
     return "; ".join(hints)
+
+
+class HintingParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors also name misspelt options (``--clustr``: did
+    you mean ``--cluster``?) — argparse reports the required option as missing instead."""
+
+    seen_argv: list[str] = []
+
+    def error(self, message: str):
+        known = {o for action in self._actions for o in action.option_strings}
+        hint = unknown_option_hint(self.seen_argv, known) if "unrecognized" not in message else ""
+        super().error(f"{message}; {hint}" if hint else message)
+
+
+def subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    return [sub for action in parser._actions if isinstance(action, argparse._SubParsersAction)
+            for sub in action.choices.values()]
+
+
+def value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option of every command that takes a value (``--cluster``, ``--memory-limit`` …)."""
+    return {o for sub in subparsers(parser) for action in sub._actions if action.option_strings
+            and isinstance(action, (argparse._StoreAction, argparse._AppendAction)) for o in action.option_strings}

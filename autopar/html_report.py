@@ -16,7 +16,8 @@ from collections import defaultdict
 
 
 from autopar.placements import divides, parse_spec
-from autopar.plan import Plan, atomic_write_text
+from autopar.files import atomic_write_text
+from autopar.plan import Plan
 from autopar.report import (
     experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line,
     throughput_line)

@@ -125,7 +125,11 @@ def _load_model(target: str, trust_pickle: bool):
         except Exception as exc:  # a truncated or foreign file: zipfile's, pickle's, torch's errors
             raise UsageError(f"cannot load {target}: it is not a readable torch.save file "
                              f"({type(exc).__name__}: {first_line(exc)})") from exc
-        return _model_and_inputs(model, target)
+        if isinstance(model, dict):
+            raise UsageError(f"{target} holds {_a(type(model).__name__)} (a state_dict?), not a model: autopar needs "
+                             "the model itself — save it with torch.save(model), or better as .pt2 with "
+                             "torch.export.save(torch.export.export(model, inputs), path)")
+        return _model_and_inputs(model, f"{target} holds")
     if ":" not in target:
         raise UsageError(f"cannot load model {target!r}: give a .pt2/.pt file or package.module:factory")
     module_name, factory_name = target.split(":", 1)
@@ -152,12 +156,17 @@ def _load_model(target: str, trust_pickle: bool):
     except Exception as exc:  # the user's factory failed: their error, with its line
         raise UsageError(f"the factory {target!r} raised {type(exc).__name__}: {first_line(exc)} "
                          f"(at {raised_at(exc)}); rerun with --debug for its traceback") from exc
-    return _model_and_inputs(made, target)
+    return _model_and_inputs(made, f"the factory {target!r} returned")
 
 
-def _model_and_inputs(made, target: str):
-    """What a factory returned, as (model, example inputs or None); a clear error for anything
-    else (None, a string, a tuple of another length …)."""
+def _a(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _model_and_inputs(made, source: str):
+    """What a factory returned or a file holds (``source`` says which), as (model, example
+    inputs or None); a clear error for anything else (None, a string, a tuple of another
+    length …)."""
     from torch import nn
 
     if isinstance(made, nn.Module):
@@ -166,6 +175,5 @@ def _model_and_inputs(made, target: str):
         inputs = made[1]
         return made[0], tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     shown = f"a {len(made)}-item {type(made).__name__}" if isinstance(made, (tuple, list)) else \
-        "None" if made is None else f"a {type(made).__name__}"
-    raise UsageError(f"the factory {target!r} returned {shown}; it must return a torch.nn.Module, or a pair "
-                     "(model, example inputs)")
+        "None" if made is None else _a(type(made).__name__)
+    raise UsageError(f"{source} {shown}; autopar needs a torch.nn.Module, or a pair (model, example inputs)")

@@ -17,12 +17,12 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
+from autopar.files import atomic_write_text
 from autopar.plan_types import check_plan_objects, check_plan_types
 
 SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
@@ -435,57 +435,6 @@ def _from_version_1(d: dict) -> dict:
                  "sync_s": r["send_s"]} for r in d.get("replicas", ())]  # version 1 held them as stages
     return {**d, "family": family, "stages": stages, "replicas": replicas, "baselines": {k: v for k, v in baselines.items() if k not in _FAMILIES_V1},
             "families": {_FAMILIES_V1[k]: v for k, v in baselines.items() if k in _FAMILIES_V1}}
-
-
-def user_mode(mode: int) -> int:
-    """``mode`` (0o666 for a file, 0o777 for a folder) under the process's umask: what any file
-    the user writes gets (0644 under umask 022), for one made by mkstemp/mkdtemp (0600/0700).
-    The umask can only be read by setting it: portable, and the instant it is 0 matters only
-    to files another thread creates at that instant."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return mode & ~umask
-
-
-def output_problem(path: str | os.PathLike) -> str | None:
-    """Why autopar cannot write a file at ``path`` (None when it can): an empty path, a folder,
-    something that is not a regular file (a FIFO, a device), a missing or read-only folder.
-    A symlink is followed: its target is written, the link kept."""
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        return f"output path {path!r} names no file; give a file path such as plan.json"
-    target = os.path.realpath(os.fspath(path))
-    if os.path.isdir(target):
-        return f"output {os.fspath(path)} is a folder; give a file path, e.g. {os.path.join(os.fspath(path), 'plan.json')}"
-    if os.path.exists(target) and not os.path.isfile(target):
-        return (f"output {os.fspath(path)} is not a regular file (a FIFO, device or socket); autopar writes a file "
-                "whole and renames it into place: give the path of a regular file")
-    folder = os.path.dirname(target)
-    if not os.path.isdir(folder):
-        return f"cannot write {os.fspath(path)}: folder {folder} does not exist"
-    if not os.access(folder, os.W_OK | os.X_OK):
-        return f"cannot write {os.fspath(path)}: folder {folder} is not writable"
-    return None
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a temp file in the same directory, then rename it over ``path``: readers see the
-    old file or the new one, never half of one, and an interrupted write leaves nothing behind.
-    A symlink at ``path`` keeps pointing at the (new) file; a path that cannot hold a file is
-    refused before anything is written (:func:`output_problem`)."""
-    problem = output_problem(path)
-    if problem:
-        raise AutoparError(ErrorKind.BAD_INPUT, problem)
-    path = os.path.realpath(os.fspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, user_mode(0o666))  # mkstemp makes the file 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from autopar.devices import OVERLAP_KINDS
-from autopar.plan import atomic_write_text
+from autopar.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

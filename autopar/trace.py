@@ -20,7 +20,8 @@ import json
 import re
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, atomic_write_text, layer_of_path
+from autopar.files import atomic_write_text
+from autopar.plan import Plan, layer_of_path
 from autopar.timeline import phase_times, schedule_spans
 
 _US = 1e6  # trace timestamps are in microseconds

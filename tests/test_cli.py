@@ -220,7 +220,9 @@ BAD_FILES = {  # (files in the working folder, arguments, what the message says)
     "output_is_a_folder": ({"out/keep.txt": "x"}, ["models:tiny_mlp", "-o", "out"], "is a folder"),
     "output_path_empty": ({}, ["models:tiny_mlp", "-o", ""], "names no file"),
     "factory_returns_none": ({"none_factory.py": "def build():\n    return None\n"}, ["none_factory:build"],
-                             "returned None; it must return a torch.nn.Module"),
+                             "returned None; autopar needs a torch.nn.Module"),
+    "pt_of_a_state_dict": ({"sd.pt": "STATE_DICT"}, ["sd.pt", "--trust-pickle", "--input", "x=8x16:float32"],
+                           "holds an OrderedDict (a state_dict?), not a model"),
     "factory_returns_three": ({"three_factory.py": "def build():\n    return 1, 2, 3\n"}, ["three_factory:build"],
                               "returned a 3-item tuple"),
     "factory_exits": ({"exiting_factory.py": "import sys\ndef build():\n    sys.exit(3)\n"}, ["exiting_factory:build"],
@@ -246,6 +248,9 @@ def test_bad_model_files_factories_and_paths_exit_2_naming_them(case, tmp_path, 
     files, args, message = BAD_FILES[case]
     for name, content in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
+        if content == "STATE_DICT":  # what torch.save(model.state_dict()) writes
+            torch.save(MLP().state_dict(), tmp_path / name)
+            continue
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(HERE)  # models:tiny_mlp

@@ -6,7 +6,7 @@ Bottom to top, each layer and what it may import from the project:
 
   types     autopar.{errors, units, devices, cluster,      types; no torch
             cluster_file, mesh, comm, plan, problem,
-            placements}
+            placements, files}
   ops       autopar.passes.dtensor_ops                     types
   analysis  autopar.passes (the package) and its           types, ops, analysis; no ortools
             capture, cost, decompose, embedding_bag,
@@ -53,7 +53,7 @@ from models import MLP
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "cluster_file", "mesh", "comm", "plan",
-                                  "plan_types", "problem", "placements")}
+                                  "plan_types", "problem", "placements", "files")}
 OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",

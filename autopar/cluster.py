@@ -233,18 +233,30 @@ class Cluster:
             regions = tuple((name, dataclasses.replace(sub, **{field: changed(getattr(sub, field))}))
                             for name, sub in self.region_clusters)
             return dataclasses.replace(self, **{field: changed(getattr(self, field))}, region_clusters=regions)
-        names = set(self.host_regions)
-        pairs = [(which[:i], which[i + 1:]) for i, c in enumerate(which) if c == "-"]  # region names may hold '-'
-        a, b = next(((x, y) for x, y in pairs if x in names and y in names and x != y), (None, None))
-        if a is None:
-            known = ", ".join(f"{x}-{y}" for x, y, _ in self.wan_links) or "none: the cluster has one region"
-            raise AutoparError(ErrorKind.BAD_CLUSTER,
-                               f"no link {which!r} to change: name intra_node, inter_node or two regions joined by "
-                               f"'-' (WAN links: {known})")
+        a, b = self._regions_of_link(which)
         old = self.wan_link(a, b)
         links = tuple((x, y, changed(link) if link is old and {x, y} == {a, b} else link)
                       for x, y, link in self.wan_links)
         return dataclasses.replace(self, wan_links=links)
+
+    def link_named(self, which: str) -> Link:
+        """The link ``with_link`` would change: ``"intra_node"``, ``"inter_node"`` (this
+        cluster's own figure) or the WAN link ``"a-b"``."""
+        if which in ("intra_node", "inter_node"):
+            return self.intra_link if which == "intra_node" else self.inter_link
+        return self.wan_link(*self._regions_of_link(which))
+
+    def _regions_of_link(self, which: str) -> tuple[str, str]:
+        """The two regions of the WAN link named ``"a-b"`` (region names may hold '-')."""
+        names = set(self.host_regions)
+        pairs = [(which[:i], which[i + 1:]) for i, c in enumerate(which) if c == "-"]
+        found = next(((x, y) for x, y in pairs if x in names and y in names and x != y), None)
+        if found is None:
+            known = ", ".join(f"{x}-{y}" for x, y, _ in self.wan_links) or "none: the cluster has one region"
+            raise AutoparError(ErrorKind.BAD_CLUSTER,
+                               f"no link {which!r} to change: name intra_node, inter_node or two regions joined by "
+                               f"'-' (WAN links: {known})")
+        return found
 
     def plan_header(self) -> dict:
         """What a plan records of its cluster (``plan.cluster``)."""

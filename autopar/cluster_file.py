@@ -359,8 +359,6 @@ def parse_link_change(text: str) -> tuple[str, float, float | None]:
     which, sep, value = text.partition("=")
     rate, _, latency = value.partition("@")
     bandwidth = _with_unit(rate, _BANDWIDTH_UNITS)
-    if bandwidth is not None and bandwidth > MAX_LINK_BANDWIDTH_Bps:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: {link_problem(bandwidth, None)}")
     if not sep or not which.strip() or bandwidth is None or bandwidth <= 0:
         raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: expected WHICH=BANDWIDTH[@LATENCY], e.g. "
                            "a-b=0.125GBps@40ms or inter_node=100Gbps (WHICH: intra_node, inter_node or two regions "
@@ -371,8 +369,9 @@ def parse_link_change(text: str) -> tuple[str, float, float | None]:
         if seconds is None or seconds < 0:
             raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: latency {latency!r} must be a number with us, "
                                "ms or s (e.g. 40ms)")
-        if link_problem(bandwidth, seconds):
-            raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: {link_problem(bandwidth, seconds)}")
+    problem = link_problem(bandwidth, seconds)
+    if problem:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"--link {text!r}: {problem}")
     return which.strip(), bandwidth, seconds
 
 

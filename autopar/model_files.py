@@ -59,14 +59,12 @@ def _size(nbytes: int) -> str:
 
 def load_model(target: str, input_specs: list[str], trust_pickle: bool):
     """MODEL is ``package.module:factory``, a torch.export ``.pt2`` or a torch.save'd ``.pt``."""
-    model, inputs = _load_model(target, trust_pickle)
     names = [spec.split("=", 1)[0].strip() for spec in input_specs if "=" in spec]
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         raise UsageError(f"--input {twice[0]} is given more than once; give each input of the model's forward once, "
                          "in order")
-    if input_specs and target.endswith(".pt2") and inputs is not None:
-        _check_archive_shapes(target, inputs, input_specs)
+    model, inputs = _load_model(target, trust_pickle, input_specs)
     if input_specs:
         params = model.parameters() if hasattr(model, "parameters") else ()
         device = next((p.device for p in params), "cpu")
@@ -81,23 +79,17 @@ def _check_archive_shapes(target: str, exported: tuple, input_specs: list[str]) 
     than let its guard fail ("Guard failed: x.size()[0] == 8")."""
     import torch
 
-    given = [parse_input_spec(spec, "meta") for spec in input_specs]
+    given = [tuple(parse_input_spec(spec, "meta").shape) for spec in input_specs]
     want = [tuple(x.shape) for x in exported if isinstance(x, torch.Tensor)]
-    if [tuple(x.shape) for x in given] != want and not _archive_dynamic(target):
+    if given != want:
         raise UsageError(f"{target} was exported for inputs of shapes {want} and no dynamic dims; --input gives "
-                         f"{[tuple(x.shape) for x in given]}. Give its shapes, or re-export with dynamic_shapes= "
-                         "(torch.export.Dim) for the dims you want to vary")
+                         f"{given}. Give its shapes, or re-export with dynamic_shapes= (torch.export.Dim) for the "
+                         "dims you want to vary")
 
 
-def _archive_dynamic(target: str) -> bool:
-    import torch
-
-    with quiet_logs("torch.export"):
-        return bool(torch.export.load(target).range_constraints)
-
-
-def _load_model(target: str, trust_pickle: bool):
-    """(model, example inputs or None)."""
+def _load_model(target: str, trust_pickle: bool, input_specs: list[str]):
+    """(model, example inputs or None); ``input_specs`` are checked against an archive of
+    fixed shapes."""
     import torch
 
     sys.path.insert(0, os.getcwd())  # factories and pickled classes resolve like `python -c` would
@@ -111,7 +103,10 @@ def _load_model(target: str, trust_pickle: bool):
             cause = held_cause(held) or f"{type(exc).__name__}: {first_line(exc)}"
             raise UsageError(f"cannot load {target}: it is not a readable torch.export archive ({cause}); save one "
                              "with torch.export.save(...)") from exc
-        return program.module(), tuple(program.example_inputs[0]) if program.example_inputs else None
+        exported = tuple(program.example_inputs[0]) if program.example_inputs else None
+        if input_specs and exported is not None and not program.range_constraints:
+            _check_archive_shapes(target, exported, input_specs)
+        return program.module(), exported
     if target.endswith((".pt", ".pth")):
         if not os.path.exists(target):
             raise UsageError(f"model file {target!r} does not exist")

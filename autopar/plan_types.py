@@ -15,6 +15,7 @@ import types
 import typing
 from typing import Any, Union
 
+from autopar import placements as pl
 from autopar.devices import MAX_DEVICES
 from autopar.errors import AutoparError, ErrorKind
 
@@ -231,22 +232,14 @@ def placement_problems(plan, shapes: dict[str, tuple[int, ...]],
         for k, (text, shape) in enumerate(zip(node.outputs if node else (), outputs)):
             if text is None or shape is None:
                 continue
-            dims = sorted({p.dim for p in _parsed(text) if p.is_shard})
+            dims = sorted({p.dim for p in pl.parse_spec(text) if p.is_shard})
             if dims and dims[-1] >= len(shape):
                 problems.append(f"node {name}: output {k} placement {text!r} splits dim {dims[-1]}, the output has "
                                 f"{len(shape)} dims (shape {list(shape)})")
     return problems
 
 
-def _parsed(text: str):
-    from autopar import placements as pl
-
-    return pl.parse_spec(text)  # the plan's placements were read once when it was loaded
-
-
 def _parameter_problems(plan, shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    from autopar import placements as pl
-
     meshes = {tuple(group.mesh_shape) for group in (*plan.stages, *plan.replicas)} or {tuple(plan.mesh_shape)}
     problems = []
     for fqn, pplan in sorted(plan.parameters.items()):

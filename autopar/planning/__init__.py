@@ -21,9 +21,9 @@ from autopar.planning.family import Family
 from autopar.planning.graphs import ModelGraphs
 from autopar.planning.one_mesh import OneMesh, mesh_search
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import PipelineStages
+from autopar.planning.pipeline import PipelineStages, check_micro_batches
 from autopar.planning.precision import Precision
-from autopar.planning.replicas import ReplicaGroups
+from autopar.planning.replicas import ReplicaGroups, check_batch_split
 from autopar.planning.throughput import step_work
 
 log = logging.getLogger(__name__)
@@ -116,13 +116,10 @@ def _check_pinned(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions, t
             raise AutoparError(ErrorKind.BAD_INPUT, f"{option}={value!r} pins {meaning}, but no {family} plan is made "
                                f"here: {why}; drop {option} or plan {family}=True on a cluster that can host it")
         batch = leading_batch(graphs.inputs, option)
-        if option == "micro_batches" and batch % value:
-            raise AutoparError(ErrorKind.BAD_INPUT, f"micro_batches={value} must divide the batch size {batch}")
-        groups = len(cluster.groups())
-        if option == "batch_split" and (len(value) != groups or sum(value) != batch):
-            raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={value} must give each of the {groups} groups of "
-                               f"{cluster.describe()} its rows ({groups} numbers of 1 or more) summing to the batch "
-                               f"size {batch}")
+        if option == "micro_batches":
+            check_micro_batches(value, batch)
+        else:
+            check_batch_split(value, cluster, batch)
 
 
 def _with_symbolic_costs(plan: Plan, graphs: ModelGraphs, cluster: Cluster) -> Plan:

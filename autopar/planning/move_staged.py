@@ -53,7 +53,7 @@ def move_through_broadcast(old: nn.Module, new: nn.Module, model: nn.Module,
                                    "lowered from this model?")
             whole = _broadcast_whole(held.get(name), shape, dtype, holder[name])
             if name in targets:
-                _assign(targets[name], _slice(whole, targets[name]))
+                assign_local(targets[name], local_slice(whole, targets[name]))
     if optimizer is None:
         return None
     return _moved_optimizer(optimizer, old, new, shapes, holder, states, everyone)
@@ -65,16 +65,6 @@ def _broadcast_whole(value: torch.Tensor | None, shape: tuple, dtype: torch.dtyp
     buffer = whole.detach().clone() if dist.get_rank() == source else torch.empty(shape, dtype=dtype)
     dist.broadcast(buffer, src=source)
     return buffer
-
-
-def _slice(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if not isinstance(like, DTensor):
-        return whole
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
-def _assign(target: torch.Tensor, local: torch.Tensor) -> None:
-    (target.to_local() if isinstance(target, DTensor) else target).copy_(local)
 
 
 def _optimizer_facts(optimizer: torch.optim.Optimizer | None, old: nn.Module) -> dict:
@@ -130,9 +120,27 @@ def _moved_optimizer(optimizer, old: nn.Module, new: nn.Module, shapes: dict, ho
                 value = optimizer.state[ours][key] if ours is not None and ours in optimizer.state else None
                 whole = _broadcast_whole(value, shape, dtype, holder[name])
                 if name in mine and name in settings:
-                    target = mine[name]
-                    local = _slice(whole, target)
-                    switched.state[target][key] = local.clone() if not isinstance(target, DTensor) else \
-                        DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
-                                           shape=target.shape, stride=target.stride())
+                    switched.state[mine[name]][key] = state_like(local_slice(whole, mine[name]), mine[name])
     return switched
+
+
+def local_slice(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``whole`` in ``like``'s layout. Every rank holds the whole value:
+    each keeps its own slice, no data sent (src_data_rank=None)."""
+    if not isinstance(like, DTensor):
+        return whole
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def assign_local(target: torch.Tensor, local: torch.Tensor) -> None:
+    """Copy ``local`` into ``target``'s piece on this rank."""
+    (target.to_local() if isinstance(target, DTensor) else target).copy_(local)
+
+
+def state_like(local: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor for ``target`` from this rank's piece ``local``: a DTensor of
+    ``target``'s layout, or a plain copy."""
+    if not isinstance(target, DTensor):
+        return local.clone()
+    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                              shape=target.shape, stride=target.stride())

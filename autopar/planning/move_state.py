@@ -25,11 +25,12 @@ import logging
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.runtime import OWNED_ATTR, ROW_ORDER_ATTR, full_value
+from autopar.planning.move_staged import assign_local, local_slice, move_through_broadcast, state_like
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,15 @@ def reshard(pmodel: nn.Module, plan: Plan, model: nn.Module | None = None,
     _check_layouts(old_parameters.values(), "running")
     _check_layouts(new.parameters(), "new")
     if "pipeline" in (pmodel.plan.family, plan.family):  # a rank holds one stage: values travel whole
-        from autopar.planning.move_staged import move_through_broadcast
-
         switched = move_through_broadcast(pmodel, new, source, optimizer)
         return new if optimizer is None else (new, switched)
     with torch.no_grad():
         for name, target in new.named_parameters(remove_duplicate=False):
-            _assign(target, moved(old_parameters[name], target))
+            assign_local(target, moved(old_parameters[name], target))
         old_buffers = dict(pmodel.named_buffers())
         for name, target in new.named_buffers():
             if name in old_buffers:
-                _assign(target, moved(old_buffers[name], target))
+                assign_local(target, moved(old_buffers[name], target))
     if optimizer is None:
         return new
     return new, _moved_optimizer(optimizer, pmodel, new)
@@ -71,15 +70,7 @@ def moved(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     tensor on this rank. Collective over the mesh."""
     if isinstance(value, DTensor) and isinstance(like, DTensor) and value.device_mesh == like.device_mesh:
         return value.redistribute(like.device_mesh, like.placements).to_local()
-    whole = full_value(value) if isinstance(value, DTensor) else value
-    if not isinstance(like, DTensor):
-        return whole
-    # every rank holds the whole value: each keeps its own slice, no data sent (src_data_rank=None)
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
-def _assign(target: torch.Tensor, local: torch.Tensor) -> None:
-    (target.to_local() if isinstance(target, DTensor) else target).copy_(local)
+    return local_slice(full_value(value) if isinstance(value, DTensor) else value, like)
 
 
 def _check_switch(pmodel: nn.Module, plan: Plan) -> None:
@@ -169,8 +160,4 @@ def _moved_state(value, parameter: torch.Tensor, target: torch.Tensor):
     (a step count) copied."""
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(parameter.shape):
         return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-    local = moved(value, target)
-    if not isinstance(target, DTensor):
-        return local.clone()
-    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
-                              shape=target.shape, stride=target.stride())
+    return state_like(moved(value, target), target)

@@ -201,12 +201,17 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     return step_time(times, m, in_flight=len(groups) if plan.schedule == "1F1B" else None)
 
 
+def check_micro_batches(pinned: int, batch: int) -> None:
+    """A pinned micro-batch count (a whole number of 1 or more: PlanOptions checks that)
+    divides the batch: BAD_INPUT otherwise."""
+    if batch % pinned:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"micro_batches={pinned} must divide the batch size {batch}")
+
+
 def _micro_batch_counts(inputs: tuple, stages: int, pinned: int | None) -> list[int]:
     batch = leading_batch(inputs, "pipeline micro-batches")
     if pinned is not None:
-        if not isinstance(pinned, int) or pinned < 1 or batch % pinned:
-            raise AutoparError(ErrorKind.BAD_INPUT,
-                               f"micro_batches={pinned!r} must be a positive divisor of the batch size {batch}")
+        check_micro_batches(pinned, batch)
         return [pinned]
     counts = [m for m in (stages, 2 * stages, 4 * stages) if batch % m == 0]
     if not counts:

@@ -61,6 +61,16 @@ def proportional_split(batch: int, weights: list[float]) -> tuple[int, ...]:
     return tuple(rows)
 
 
+def check_batch_split(split: tuple[int, ...], cluster: Cluster, batch: int) -> None:
+    """A pinned ``batch_split`` gives every device group of ``cluster`` its rows (one or more;
+    PlanOptions checks that) and sums to the batch: BAD_INPUT otherwise."""
+    groups = len(cluster.groups())
+    if len(split) != groups or sum(split) != batch:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={split} must give each of the {groups} groups of "
+                           f"{cluster.describe()} its rows ({groups} numbers of 1 or more) summing to the batch "
+                           f"size {batch}")
+
+
 class ReplicaGroups:
     """Family "replicas": every device group runs the whole model on its share of the batch."""
 
@@ -85,9 +95,7 @@ class ReplicaGroups:
             split = proportional_split(batch, speeds)
         else:
             split = tuple(int(b) for b in options.batch_split)
-            if len(split) != len(groups) or sum(split) != batch or min(split) < 1:
-                raise AutoparError(ErrorKind.BAD_INPUT, f"batch_split={tuple(options.batch_split)} must give each of "
-                                   f"the {len(groups)} groups at least one row and sum to the batch size {batch}")
+            check_batch_split(split, cluster, batch)
         main = max(range(len(groups)), key=lambda g: split[g])
         shared = make_plan(graphs.at_rows(split[main]), groups[main].cluster, options, baselines=False)
         replicas, times = [], []

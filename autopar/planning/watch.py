@@ -97,7 +97,7 @@ class LinkWatcher:
         cluster = self.cluster
         for link, bandwidth in drifted.items():
             log.warning("link %s measured at %.3g GB/s for %d checks in a row; the cluster gives it %.3g GB/s", link,
-                        bandwidth / 1e9, len(self._streak[link]), _link_of(cluster, link).bandwidth_Bps / 1e9)
+                        bandwidth / 1e9, len(self._streak[link]), cluster.link_named(link).bandwidth_Bps / 1e9)
             cluster = cluster.with_link(link, bandwidth)
         answer = self._replanned(cluster)
         self.cluster, self._streak = cluster, {}
@@ -106,7 +106,7 @@ class LinkWatcher:
         return answer
 
     def _reading(self, link: str, seconds: float) -> LinkReading:
-        planned = _link_of(self.cluster, link)
+        planned = self.cluster.link_named(link)
         moving_s = self.probe_bytes / planned.bandwidth_Bps
         # the time above the link's latency is the bytes moving: bandwidth = bytes / that time
         measured_Bps = min(MAX_LINK_BANDWIDTH_Bps, self.probe_bytes / max(seconds - planned.latency_s, 1e-9))
@@ -162,10 +162,3 @@ def _region_of(cluster: Cluster, group: str) -> str | None:
     (``a/host0``); None for host groups of a cluster without regions (``hosts0-1``)."""
     region = cluster.home_region(group).split("/", 1)[0]
     return region if region in set(cluster.host_regions) else None
-
-
-def _link_of(cluster: Cluster, name: str):
-    if name in ("intra_node", "inter_node"):
-        return cluster.intra_link if name == "intra_node" else cluster.inter_link
-    a, b = next((x, y) for x, y, _ in cluster.wan_links if f"{x}-{y}" == name or f"{y}-{x}" == name)
-    return cluster.wan_link(a, b)

@@ -24,7 +24,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
          memory_limit: float | None = None, optimizer: str = "adamw", solver: str = "cpsat",
          time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
-         schedule: str = "1F1B", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
+         schedule: str = "auto", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
          configuration: str | None = None, sparsity: dict[str, float] | None = None,
          symbolic: bool = False, mixed_precision=None, recompute: str = "auto", overlap: bool = True,
          bucket_cap_mb: float = 25.0, prefetch_layers: int = 1) -> Plan:
@@ -36,7 +36,9 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     On a cluster with several device groups (regions), the planner also tries pipeline stages
     over the groups and data-parallel replicas on the groups (the batch split by their speed),
     and keeps the fastest; ``pipeline=True`` or ``replicas=True`` forces one of them, ``False``
-    rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``batch_split`` the
+    rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``schedule`` its
+    schedule ("1F1B", "GPipe", "Interleaved1F1B"; "auto" tries 1F1B and interleaved 1F1B with
+    2 or 4 chunks of layers per stage and keeps the faster), ``batch_split`` the
     replicas' rows per group. ``configuration="ddp"`` (or fsdp, megatron_tp, tp_dp) returns
     that hand-written configuration, costed and lowerable like any plan.
     Embedding tables read by one lookup are planned as sparse parameters (dense all-reduce,

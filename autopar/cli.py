@@ -16,6 +16,7 @@ from autopar.cli_args import (HintingParser, attach_dash_values, batch_sizes, me
                               subparsers, value_options)
 from autopar.errors import AutoparError, ErrorKind, first_line
 from autopar.model_files import UsageError, load_model
+from autopar.plan_types import PIPELINE_SCHEDULES
 from autopar.units import format_bytes
 
 EXAMPLES = {
@@ -46,7 +47,7 @@ def _writable_output(path: str | None) -> None:
 
 def summary_json(plan) -> dict:
     """The stable machine-readable summary (keys are only ever added, never renamed)."""
-    from autopar.report import imbalance, layer_groups, throughput, top_nodes
+    from autopar.report import imbalance, layer_groups, mesh_dim_roles, throughput, top_nodes
 
     limit = plan.cluster["memory_limit_bytes"]
     return {
@@ -56,17 +57,20 @@ def summary_json(plan) -> dict:
         "predicted_step_s": plan.predicted_step_s,
         "devices": plan.num_devices,
         "mesh": {"default": list(plan.mesh_shape), **{st.group: list(st.mesh_shape) for st in plan.stages}},
+        "mesh_dim_roles": mesh_dim_roles(plan),
         "stages": [{"devices": len(st.ranks), "mesh": list(st.mesh_shape), "predicted_step_s": st.compute_s,
                     "group": st.group, "device": st.device, "layers": list(st.layers), "send_s": st.send_s,
                     "in_flight": st.in_flight, "memory_bytes": st.memory.total_bytes} for st in plan.stages]
         or [{"devices": plan.num_devices, "mesh": list(plan.mesh_shape), "predicted_step_s": plan.predicted_step_s}],
         "micro_batches": plan.micro_batches,
         "schedule": plan.schedule,
+        "virtual_stages": plan.virtual_stages,
         "bubble": plan.bubble,
         "replicas": [{"group": r.group, "device": r.device, "devices": len(r.ranks), "mesh": list(r.mesh_shape),
                       "batch": r.batch, "predicted_step_s": r.step_s, "gradient_sync_s": r.sync_s,
                       "memory_bytes": r.memory.total_bytes} for r in plan.replicas],
-        "peak_memory_bytes": [st.memory.total_bytes for st in (*plan.stages, *plan.replicas) for _ in st.ranks]
+        "peak_memory_bytes": [sum(st.memory.total_bytes for st in chunks) for chunks in plan.stage_groups()
+                              for _ in chunks[0].ranks] + [r.memory.total_bytes for r in plan.replicas for _ in r.ranks]
         or [plan.memory.total_bytes] * plan.num_devices,
         "memory_limit_bytes": [limit] * plan.num_devices,
         "mixed_precision": plan.options.get("mixed_precision"),  # {"param_dtype", "reduce_dtype"} or None
@@ -346,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
                    help="pipeline stages over the cluster's regions: auto keeps the faster of staged and one mesh")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: searched)")
-    p.add_argument("--schedule", choices=("1F1B", "GPipe"), default="1F1B")
+    p.add_argument("--schedule", choices=("auto", *PIPELINE_SCHEDULES), default="auto",
+                   help="pipeline schedule; auto: 1F1B or interleaved 1F1B (2 or 4 chunks per stage), the faster")
     p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
                    help="data-parallel replicas on the cluster's regions, the batch split by their speed")
     p.add_argument("--batch-split", type=rows_per_region, metavar="N,N,...",

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from autopar.placements import divides, parse_spec
 from autopar.files import atomic_write_text
-from autopar.plan import Plan
+from autopar.plan import MemoryBreakdown, Plan
 from autopar.report import (
     experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line,
     throughput_line)
@@ -64,10 +64,11 @@ def _html_table(table) -> str:
 def _memory_rows(plan: Plan) -> list[tuple[str, object]]:
     """(devices label, their memory breakdown), identical devices in one row with their count:
     a stage's or replica's devices hold that group's plan; one mesh's devices hold equal shares."""
-    groups = plan.stages or plan.replicas
+    groups = plan.stage_groups() or [(r,) for r in plan.replicas]  # a group's chunks share its devices
     if not groups:
         return [(_ranks_label(range(plan.num_devices)), plan.memory)]
-    return [(f"{_ranks_label(g.ranks)} ({g.group})", g.memory) for g in groups]
+    return [(f"{_ranks_label(g[0].ranks)} ({g[0].group})", MemoryBreakdown.together([c.memory for c in g]))
+            for g in groups]
 
 
 def _ranks_label(ranks) -> str:
@@ -98,7 +99,7 @@ def _schedule_svg(plan: Plan, width: int = 760, row: int = 24) -> str:
             if w > 14:
                 shapes.append(f'<text x="{x + w / 2:.1f}" y="{y + 16}" font-size="11" fill="#fff" '
                               f'text-anchor="middle">{i}</text>')
-    return (f'<svg width="{width}" height="{row * len(plan.stages)}" role="img">{"".join(shapes)}</svg>'
+    return (f'<svg width="{width}" height="{row * len(spans)}" role="img">{"".join(shapes)}</svg>'
             f"<p class='legend'><span style='background:#2f80ed'></span>forward<span style='background:#f2994a'>"
             f"</span>backward (micro-batch index). {html.escape(simulated_step_line(plan))}</p>")
 

@@ -49,13 +49,16 @@ class _ReorderedExperts:
 
 class ParallelModule(nn.Module):
     def __init__(self, module: torch.fx.GraphModule, plan: Plan, loss_fn: Callable | None = None,
-                 runtime=None, relowering=None) -> None:
+                 runtime=None, relowering=None, pieces: list[torch.fx.GraphModule] | None = None) -> None:
         super().__init__()
         # share the lowered module's children, parameters and buffers so names stay the model's
         self._modules = module._modules
         self._parameters = module._parameters
         self._buffers = module._buffers
-        self.lowered = [module]  # in a list: not registered as a child (that would prefix every name)
+        # the lowered programs this rank runs — ``module``, or a pipeline rank's stages when it
+        # holds several (interleaved) and ``module`` merely holds their parameters; in a list:
+        # not registered as children (that would prefix every name)
+        self.lowered = list(pieces) if pieces else [module]
         self.plan = plan
         self.loss_fn = loss_fn
         # how a plan over several device groups runs a step: passes.pipeline_lower.PipelineRuntime
@@ -82,8 +85,8 @@ class ParallelModule(nn.Module):
 
     @property
     def code(self) -> str:
-        """The lowered graph's code on this rank (its stage's, under a pipeline plan)."""
-        return self.lowered[0].code
+        """The lowered graph's code on this rank (its stages', under a pipeline plan)."""
+        return "\n".join(piece.code for piece in self.lowered)
 
     def _lowered_for(self, inputs: tuple) -> torch.fx.GraphModule:
         """The lowered program for these inputs' shapes: the planned one, or the plan lowered

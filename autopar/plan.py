@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from autopar import placements as pl
@@ -133,6 +133,11 @@ class MemoryBreakdown:
     def total_bytes(self) -> int:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
 
+    @classmethod
+    def together(cls, parts: "list[MemoryBreakdown]") -> "MemoryBreakdown":
+        """What one device holds for several programs at once (a pipeline group's chunks)."""
+        return cls(*(sum(getattr(part, f.name) for part in parts) for f in fields(cls)))
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -217,7 +222,8 @@ class Plan:
     family: str = "one_mesh"
     families: dict[str, dict[str, Any]] = field(default_factory=dict)
     # pipeline: stages in order (empty = one stage over the whole mesh), micro-batches per
-    # step, schedule ("1F1B", "GPipe") and the predicted idle fraction (p−1)/(m+p−1);
+    # step, schedule ("1F1B", "GPipe", "Interleaved1F1B") and the predicted idle fraction
+    # (p−1)/(m+p−1), interleaved (p−1)/(m·v+p−1);
     # ``inputs`` then describe one micro-batch
     stages: tuple[StagePlan, ...] = ()
     # heterogeneous data parallelism: every group runs the whole model (``nodes`` placed on its
@@ -227,6 +233,9 @@ class Plan:
     micro_batches: int = 1
     schedule: str | None = None
     bubble: float = 0.0
+    # interleaved 1F1B: chunks of layers per device group; ``stages`` then lists every chunk in
+    # model order, chunk g on the group of stage g mod (len(stages) / virtual_stages)
+    virtual_stages: int = 1
     # sparse tables (passes.sparse): {fqn: {rows, row_bytes, lookups, touched_rows, density,
     # density_source, exchange, bytes_per_step: {method: bytes one device receives}, and for
     # table-wise tables owner (coordinate on the mesh dim placed "O") and pooled_bytes}}
@@ -268,6 +277,13 @@ class Plan:
     overlap: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
+
+    def stage_groups(self) -> list[tuple[StagePlan, ...]]:
+        """A pipeline plan's stages by the device group that runs them: one stage each, or
+        under interleaved 1F1B every group's ``virtual_stages`` chunks (chunk g on group
+        g mod groups); empty without stages."""
+        groups = len(self.stages) // self.virtual_stages
+        return [self.stages[r::groups] for r in range(groups)] if self.stages else []
 
     @property
     def num_devices(self) -> int:
@@ -365,6 +381,7 @@ class Plan:
                 stages=tuple(StagePlan.from_json(st) for st in d.get("stages", ())),
                 replicas=tuple(ReplicaPlan.from_json(r) for r in d.get("replicas", ())),
                 micro_batches=d.get("micro_batches", 1), schedule=d.get("schedule"), bubble=d.get("bubble", 0.0),
+                virtual_stages=d.get("virtual_stages", 1),
                 sparse=d.get("sparse", {}), experts=d.get("experts", {}),
                 symbolic=d.get("symbolic", {}), comm_bytes=d.get("comm_bytes", 0.0), work=d.get("work", {}), recompute=d.get("recompute", {}),
                 outputs=tuple(d.get("outputs", ())), recompute_cost=d.get("recompute_cost", {}),

@@ -22,6 +22,8 @@ from autopar.errors import AutoparError, ErrorKind
 _NUMBER = (int, float)
 # plan.family: the planning families (autopar.planning.FAMILIES; a test keeps the two alike)
 PLAN_FAMILIES = ("one_mesh", "pipeline", "replicas")
+# pipeline schedules a plan may record (torch.distributed.pipelining's Schedule<name>)
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 # how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
 PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
                        "table_wise", "expert_parallel", "expert_tensor_parallel")
@@ -70,6 +72,10 @@ def check_plan_types(plan, source: str) -> None:
     if plan.micro_batches < 1 or plan.bubble > 1:
         _fail(source, "micro_batches/bubble", "1 or more micro-batches and a bubble fraction of at most 1",
               (plan.micro_batches, plan.bubble))
+    if plan.schedule is not None and plan.schedule not in PIPELINE_SCHEDULES:
+        _fail(source, "schedule", f"null or one of {', '.join(PIPELINE_SCHEDULES)}", plan.schedule)
+    if plan.virtual_stages < 1 or len(plan.stages) % plan.virtual_stages:
+        _fail(source, "virtual_stages", f"1 or more, dividing the {len(plan.stages)} stages", plan.virtual_stages)
     for fqn, parameter in plan.parameters.items():
         if parameter.exchange not in PARAMETER_EXCHANGES:
             _fail(source, f"parameters.{fqn}.exchange", f"one of {', '.join(PARAMETER_EXCHANGES)}", parameter.exchange)

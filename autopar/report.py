@@ -10,7 +10,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.placements import is_replicated, owned_dim, parse_spec
+from autopar.placements import Shard, is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
 from autopar.timeline import overlap_rows, overlap_table, pipeline_timeline, simulated_step_line, step_line
 from autopar.units import format_bytes, format_seconds
@@ -89,8 +89,9 @@ def summary(plan: Plan) -> str:
 
 
 def stages_table(plan: Plan) -> Table:
-    table = Table(title=f"pipeline: {len(plan.stages)} stages, {plan.micro_batches} micro-batches, {plan.schedule}, "
-                        f"bubble {100 * plan.bubble:.1f}%")
+    chunks = f" ({plan.virtual_stages} chunks of layers per group)" if plan.virtual_stages > 1 else ""
+    table = Table(title=f"pipeline: {len(plan.stages)} stages{chunks}, {plan.micro_batches} micro-batches, "
+                        f"{plan.schedule}, bubble {100 * plan.bubble:.1f}%")
     for column in ("stage", "group", "devices", "mesh", "layers", "compute/mb", "send/mb", "in flight", "memory"):
         table.add_column(column)
     for k, st in enumerate(plan.stages):
@@ -113,14 +114,45 @@ def replicas_table(plan: Plan) -> Table:
     return table
 
 
+def mesh_dim_roles(plan: Plan) -> list[str]:
+    """What each dim of the plan's mesh does, in the words hand-written configurations use:
+    "dp_shard" (the batch split and most parameter bytes, or their optimizer states, sharded:
+    FSDP / ZeRO), "dp_replicate" (the batch split, parameters whole: DDP, HSDP's outer dim),
+    "tp" (parameters split, the batch not), "cp" (the sequence split, the batch not),
+    "replicate" (none of these), "none" (a dim of one device). A pipeline plan's mesh is
+    ["pp", "lane"], replica groups' ["dp_replicate", "lane"] (each group's own mesh inside)."""
+    if plan.stages or plan.replicas:
+        return ["pp" if plan.stages else "dp_replicate", "lane"]
+    inputs = [node.output_spec() for node in plan.nodes.values() if node.op == "input" and node.outputs[0]]
+    specs = [(p.bytes, parse_spec(p.placement), parse_spec(p.optimizer_state or p.placement))
+             for p in plan.parameters.values()]
+    total = sum(size for size, _, _ in specs) or 1
+    roles = []
+    for d, devices in enumerate(plan.mesh_shape):
+        split = {spec[d] for spec in inputs if d < len(spec) and spec[d].is_shard}
+        sharded = sum(size for size, _, state in specs if not is_replicated((state[d],)))
+        tensor_split = any(not is_replicated((placement[d],)) for _, placement, _ in specs)
+        if devices == 1:
+            roles.append("none")
+        elif Shard(0) in split:
+            roles.append("dp_shard" if 2 * sharded >= total else "dp_replicate")
+        elif tensor_split:
+            roles.append("tp")
+        elif split:
+            roles.append("cp")
+        else:
+            roles.append("replicate")
+    return roles
+
+
 def imbalance(plan: Plan) -> dict[str, float]:
     """max/mean over devices of the time each is busy per step and of its memory: 1.00 when
     every device runs the same program (one mesh); pipeline stages and replicas differ."""
-    groups = plan.stages or plan.replicas
+    groups = plan.stage_groups() or [(r,) for r in plan.replicas]  # a group's chunks share its devices
     if not groups:
         return {"time": 1.0, "memory": 1.0}
-    busy = [g.busy_s for g in groups for _ in g.ranks]
-    memory = [g.memory.total_bytes for g in groups for _ in g.ranks]
+    busy = [sum(g.busy_s for g in chunks) for chunks in groups for _ in chunks[0].ranks]
+    memory = [sum(g.memory.total_bytes for g in chunks) for chunks in groups for _ in chunks[0].ranks]
 
     def ratio(values: list[float]) -> float:
         mean = sum(values) / len(values)

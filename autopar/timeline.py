@@ -7,51 +7,59 @@ from __future__ import annotations
 from rich.table import Table
 
 from autopar.plan import Plan
+from autopar.solvers.pipeline import interleaved_order
 from autopar.units import format_seconds
 
 
 def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
-    """Per stage, the (start, end, "F"/"B", micro-batch) of every forward and backward in one
-    step, simulated from the predicted stage and send times (backward = 2× forward).
+    """Per device group (a row per stage; under interleaved 1F1B a row per group, which runs
+    its chunks in turn), the (start, end, "F"/"B", micro-batch) of every forward and backward
+    in one step, simulated from the predicted stage and send times (backward = 2× forward).
 
     1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
-    backward, then drains; GPipe: all forwards, then all backwards.
+    backward, then drains; GPipe: all forwards, then all backwards; interleaved 1F1B: torch's
+    order (solvers.pipeline.interleaved_order).
     """
-    p, m = len(plan.stages), plan.micro_batches
+    chunks, m, v = len(plan.stages), plan.micro_batches, plan.virtual_stages
+    p = chunks // v
     fwd = [st.compute_s / 3 for st in plan.stages]
     bwd = [2 * st.compute_s / 3 for st in plan.stages]
     send = [st.send_s / 2 for st in plan.stages]  # one way
-    orders = []
-    for s in range(p):
-        warm = m if plan.schedule == "GPipe" else min(p - s - 1, m)
-        order = [("F", i) for i in range(warm)]
-        for i in range(warm, m):
-            order += [("F", i), ("B", i - warm)]
-        order += [("B", i) for i in range(m - warm if plan.schedule != "GPipe" else 0, m)]
-        orders.append(order)
+    orders = [interleaved_order(r, p, v, m) if v > 1 else _one_chunk_order(plan.schedule, r, p, m) for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     spans: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
     clock, position = [0.0] * p, [0] * p
-    while any(position[s] < len(orders[s]) for s in range(p)):
+    while any(position[r] < len(orders[r]) for r in range(p)):
         progressed = False
-        for s in range(p):
-            if position[s] == len(orders[s]):
+        for r in range(p):
+            if position[r] == len(orders[r]):
                 continue
-            kind, i = orders[s][position[s]]
-            need = ("F", s - 1, i) if kind == "F" and s > 0 else ("B", s + 1, i) if kind == "B" and s < p - 1 else None
+            kind, g, i = orders[r][position[r]]
+            need = ("F", g - 1, i) if kind == "F" and g > 0 else ("B", g + 1, i) if kind == "B" and g < chunks - 1 \
+                else None
             if need is not None and need not in done:
                 continue
             ready = done[need] + send[need[1]] if need is not None and kind == "F" else \
-                done[need] + send[s] if need is not None else 0.0
-            start = max(clock[s], ready)
-            end = start + (fwd[s] if kind == "F" else bwd[s])
-            done[(kind, s, i)] = clock[s] = end
-            spans[s].append((start, end, kind, i))
-            position[s] += 1
+                done[need] + send[g] if need is not None else 0.0
+            start = max(clock[r], ready)
+            end = start + (fwd[g] if kind == "F" else bwd[g])
+            done[(kind, g, i)] = clock[r] = end
+            spans[r].append((start, end, kind, i))
+            position[r] += 1
             progressed = True
         if not progressed:  # cannot happen for these schedules; guard against an endless loop
             break
     return spans
+
+
+def _one_chunk_order(schedule: str | None, s: int, p: int, m: int) -> list[tuple[str, int, int]]:
+    """Stage ``s``'s (kind, stage, micro-batch) order under 1F1B or GPipe."""
+    warm = m if schedule == "GPipe" else min(p - s - 1, m)
+    order = [("F", s, i) for i in range(warm)]
+    for i in range(warm, m):
+        order += [("F", s, i), ("B", s, i - warm)]
+    order += [("B", s, i) for i in range(m - warm if schedule != "GPipe" else 0, m)]
+    return order
 
 
 def simulated_step_line(plan: Plan) -> str:
@@ -78,14 +86,15 @@ def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
     spans = schedule_spans(plan)
     total = max((end for row in spans for _, end, _, _ in row), default=0.0) or 1.0
     rows = []
-    for s, st in enumerate(plan.stages):
+    for s, st in enumerate(plan.stages[:len(spans)]):  # interleaved: a row per group, its chunks in turn
         cells = ["."] * width
         for start, end, kind, i in spans[s]:
             mark = str(i % 10) if kind == "F" else chr(ord("a") + i % 26)
             first = min(int(start / total * width), width - 1)
             for c in range(first, max(first + 1, min(int(end / total * width), width))):
                 cells[c] = mark if cells[c] in (".", mark) else "*"
-        rows.append(f"stage {s} {st.group:>10} |{''.join(cells)}|")
+        row = "group" if plan.virtual_stages > 1 else "stage"  # interleaved: a group runs several stages
+        rows.append(f"{row} {s} {st.group:>10} |{''.join(cells)}|")
     return rows
 
 

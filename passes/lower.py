@@ -263,12 +263,18 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
     return placed
 
 
+def stage_mesh(group, device_type: str) -> DeviceMesh:
+    """The DeviceMesh of one device group of a plan (a ``StagePlan`` or ``ReplicaPlan``):
+    its ranks in its mesh shape (collective: every rank builds it)."""
+    return DeviceMesh(device_type, torch.tensor(group.ranks).reshape(group.mesh_shape),
+                      mesh_dim_names=group.mesh_dim_names)
+
+
 def group_meshes(groups: tuple, device_type: str) -> tuple[list[DeviceMesh], list[dist.ProcessGroup], int, int]:
     """Every group's DeviceMesh (pipeline stages: ``StagePlan``s, replicas: ``ReplicaPlan``s) and every lane's
     process group (the k-th rank of every group). Every rank builds all of them, in the same
     order, as process-group creation requires; returns them with this rank's group and lane."""
-    meshes = [DeviceMesh(device_type, torch.tensor(g.ranks).reshape(g.mesh_shape), mesh_dim_names=g.mesh_dim_names)
-              for g in groups]
+    meshes = [stage_mesh(g, device_type) for g in groups]
     lanes = [dist.new_group([g.ranks[k] for g in groups]) for k in range(len(groups[0].ranks))]
     rank = dist.get_rank()
     mine = next(i for i, g in enumerate(groups) if rank in g.ranks)

@@ -23,42 +23,43 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from autopar.plan import Plan
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
 from autopar.passes.grad_sync import sync_grads
 from autopar.passes.recompute import checkpoint_layers
-from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
+from autopar.passes.lower import group_meshes, lower_module, owner_submeshes, stage_mesh
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"
-_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
 
 
 class PipelineRuntime:
-    """This rank's stage and the schedule that runs it, micro-batch by micro-batch."""
+    """This rank's stages (one, or its ``virtual_stages`` chunks under an interleaved
+    schedule) and the schedule that runs them, micro-batch by micro-batch."""
 
-    def __init__(self, module: torch.fx.GraphModule, stage_index: int, plan: Plan, lane: dist.ProcessGroup,
-                 lane_ranks: list[int], example_inputs: tuple, example_outputs: tuple,
-                 loss_fn: Callable | None, device: torch.device) -> None:
-        self.module, self.lane, self.num_stages = module, lane, len(plan.stages)
-        self.stage_index = stage_index
-        self.last_rank = lane_ranks[-1]  # the lane's rank in the last stage
-        stage = PipelineStage(module, stage_index, self.num_stages, device, input_args=example_inputs,
-                              output_args=example_outputs, group=lane)
+    def __init__(self, modules: dict[int, torch.fx.GraphModule], plan: Plan, lane: dist.ProcessGroup,
+                 lane_ranks: list[int], examples: dict[int, tuple[tuple, tuple]], loss_fn: Callable | None,
+                 device: torch.device) -> None:
+        self.modules, self.lane, self.num_stages = modules, lane, len(plan.stages)
+        self.last_rank = lane_ranks[-1]  # the lane's rank in the group of the last stage
+        stages = [PipelineStage(module, g, self.num_stages, device, input_args=examples[g][0],
+                                output_args=examples[g][1], group=lane) for g, module in modules.items()]
         schedule = _SCHEDULES[plan.schedule]
-        self.schedule = schedule(stage, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
-        self.forward_only = schedule(stage, n_microbatches=plan.micro_batches)  # no loss: evaluation
+        held = stages if plan.virtual_stages > 1 else stages[0]  # multi-stage schedules take the list
+        self.schedule = schedule(held, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
+        self.forward_only = schedule(held, n_microbatches=plan.micro_batches)  # no loss: evaluation
 
     @property
     def is_first(self) -> bool:
-        return self.stage_index == 0
+        return 0 in self.modules
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        return self.num_stages - 1 in self.modules
 
     def train_step(self, inputs: tuple, target) -> torch.Tensor:
         """Forward and backward over all micro-batches; the mean micro-batch loss on every rank."""
@@ -69,7 +70,8 @@ class PipelineRuntime:
             self.schedule.step(target=target, losses=losses)
         else:
             self.schedule.step()
-        sync_grads([param for param in self.module.parameters() if param.grad is not None])
+        sync_grads([param for module in self.modules.values() for param in module.parameters()
+                    if param.grad is not None])
         # in float32 on every rank: the loss may be bf16 (mixed precision), the receivers' buffer must match
         loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last else torch.zeros(())
         dist.broadcast(loss, src=self.last_rank, group=self.lane)
@@ -84,34 +86,49 @@ class PipelineRuntime:
 
 
 def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None,
-                   device_type: str) -> tuple[torch.fx.GraphModule, PipelineRuntime]:
-    meshes, groups, s, k = group_meshes(plan.stages, device_type)
-    lane_meshes = [DeviceMesh(device_type, torch.tensor(st.ranks)) for st in plan.stages]
+                   device_type: str) -> tuple[list[torch.fx.GraphModule], PipelineRuntime]:
+    """This rank's stages lowered (one per chunk it holds, in model order), and the runtime
+    that schedules them. Chunk ``g`` runs on the group of stage ``g mod p`` (``p`` groups)."""
+    p = len(plan.stages) // plan.virtual_stages
+    meshes, groups, r, k = group_meshes(plan.stages[:p], device_type)
+    meshes += [stage_mesh(st, device_type) for st in plan.stages[p:]]  # chunks may pick other meshes
+    lane_meshes = [DeviceMesh(device_type, torch.tensor(st.ranks)) for st in plan.stages[:p]]
     owner_meshes = owner_submeshes(plan, meshes)
 
     gm = captured.program.module()
     layers = layer_order(gm.graph)
     first_layers = [layers.index(st.layers[0]) for st in plan.stages[1:]]
     stage_of = assign_stages(gm.graph, layers, first_layers, set(), {})
-    piece = split_graph(gm.graph, stage_of, len(plan.stages), set(), gm._out_spec)[s]
-    module = torch.fx.GraphModule(gm, piece.graph)
+    pieces = split_graph(gm.graph, stage_of, len(plan.stages), set(), gm._out_spec)
+    modules, examples = {}, {}
+    for g in range(r, len(plan.stages), p):
+        modules[g], examples[g] = _lower_stage(gm, pieces[g].graph, g, plan, meshes[g], owner_meshes[g],
+                                               lane_meshes[r], model, captured)
+    runtime = PipelineRuntime(modules, plan, groups[k], [st.ranks[k] for st in plan.stages], examples, loss_fn,
+                              torch.device(device_type))
+    return list(modules.values()), runtime
+
+
+def _lower_stage(gm: torch.fx.GraphModule, graph: torch.fx.Graph, g: int, plan: Plan, mesh: DeviceMesh,
+                 owner_meshes: dict, lane_mesh: DeviceMesh, model: nn.Module, captured: Captured
+                 ) -> tuple[torch.fx.GraphModule, tuple[tuple, object]]:
+    """Stage ``g``'s piece of the graph lowered onto its mesh, with its example inputs and
+    outputs (one lane's slice of each boundary tensor)."""
+    module = torch.fx.GraphModule(gm, graph)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    names = [spec.name for spec in plan.inputs] if s == 0 else [n.name for n in placeholders]
-    examples = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in plan.inputs) if s == 0 \
+    names = [spec.name for spec in plan.inputs] if g == 0 else [n.name for n in placeholders]
+    examples = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in plan.inputs) if g == 0 \
         else tuple(_zeros(n) for n in placeholders)
     outputs = tuple(_zeros(n) for n in module.graph.output_node().all_input_nodes)
-    lower_module(module, names, plan, meshes[s], model, captured, sync_on_accumulate=False,
-                 owner_meshes=owner_meshes[s])
-    recomputed = {layer: mode for layer, mode in plan.recompute.items() if layer in plan.stages[s].layers}
+    lower_module(module, names, plan, mesh, model, captured, sync_on_accumulate=False, owner_meshes=owner_meshes)
+    recomputed = {layer: mode for layer, mode in plan.recompute.items() if layer in plan.stages[g].layers}
     if recomputed:  # torch.utils.checkpoint around each of the stage's layers (passes.recompute)
         checkpoint_layers(module, recomputed)
-    width = len(plan.stages[s].ranks)
-    _slice_boundaries(module, lane_meshes[s], s > 0, s < len(plan.stages) - 1, width)
-    examples = tuple(_sliced(t, width) for t in examples) if s > 0 else examples
-    outputs = tuple(_sliced(t, width) for t in outputs) if s < len(plan.stages) - 1 else outputs
-    runtime = PipelineRuntime(module, s, plan, groups[k], [st.ranks[k] for st in plan.stages], examples,
-                              outputs[0] if len(outputs) == 1 else outputs, loss_fn, torch.device(device_type))
-    return module, runtime
+    width, last = len(plan.stages[g].ranks), len(plan.stages) - 1
+    _slice_boundaries(module, lane_mesh, g > 0, g < last, width)
+    examples = tuple(_sliced(t, width) for t in examples) if g > 0 else examples
+    outputs = tuple(_sliced(t, width) for t in outputs) if g < last else outputs
+    return module, (examples, outputs[0] if len(outputs) == 1 else outputs)
 
 
 def _slice_boundaries(module: torch.fx.GraphModule, lane_mesh: DeviceMesh, inputs: bool, outputs: bool,
@@ -162,3 +179,31 @@ def _zeros(node: torch.fx.Node) -> torch.Tensor:
     """An example of a boundary value; floating ones carry gradients between stages."""
     val = node.meta["val"]
     return torch.zeros(val.shape, dtype=val.dtype, requires_grad=val.dtype.is_floating_point)
+
+
+def merged_module(modules: list[torch.fx.GraphModule]) -> nn.Module:
+    """One module holding every parameter and buffer of this rank's stages under the model's
+    own names (``blocks.0.attn.weight``), the very tensors the stages train — what the user's
+    optimizer, ``state_dict`` and checkpoints see. One stage: that stage itself."""
+    if len(modules) == 1:
+        return modules[0]
+    root = nn.Module()
+    for module in modules:
+        for name, param in module.named_parameters(remove_duplicate=False):
+            owner, attr = _owner_made(root, name)
+            owner.register_parameter(attr, param)
+        for name, buffer in module.named_buffers(remove_duplicate=False):
+            owner, attr = _owner_made(root, name)
+            owner.register_buffer(attr, buffer)
+    return root
+
+
+def _owner_made(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """The module that holds ``fqn`` under ``root``, made (empty) where missing."""
+    *path, attr = fqn.split(".")
+    owner = root
+    for part in path:
+        if part not in owner._modules:
+            owner.add_module(part, nn.Module())
+        owner = owner._modules[part]
+    return owner, attr

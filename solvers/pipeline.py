@@ -29,9 +29,13 @@ PipelineSolution(cuts=(1,), stage_s=(1.0, 1.0), step_s=5.0)
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+EXHAUSTIVE_CUTS = 500  # interleaved cuts tried one by one up to this many (small stacks), else a few
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,7 @@ def partition(num_layers: int, num_stages: int, micro_batches: int,
     fit); ``in_flight`` as :func:`step_time`'s. Returns None when no cut fits."""
     if num_stages < 1 or num_layers < num_stages:
         return None
-    table: dict[tuple[int, int, int], StageTime] = {}
-    for s in range(num_stages):
-        first = [0] if s == 0 else range(s, num_layers - num_stages + s + 1)
-        for i in first:
-            last = [num_layers] if s == num_stages - 1 else range(i + 1, num_layers - num_stages + s + 2)
-            for j in last:
-                table[(i, j, s)] = stage_time(i, j, s)
+    table = _stage_table(num_layers, num_stages, stage_time)
     best: PipelineSolution | None = None
     for bound in sorted({t.pace for t in table.values() if math.isfinite(t.pace) and math.isfinite(t.total_s)}):
         if best is not None and (micro_batches - 1) * bound >= best.step_s:
@@ -98,6 +96,134 @@ def partition(num_layers: int, num_stages: int, micro_batches: int,
         if best is None or total < best.step_s * (1 - 1e-12):
             best = PipelineSolution(tuple(cuts), tuple(t.total_s for t in times), total)
     return best
+
+
+def interleaved_step_time(chunks: list[StageTime], ranks: int, micro_batches: int) -> float:
+    """Interleaved 1F1B step time: ``chunks`` are the ``p · v`` virtual stages in model order,
+    chunk ``g`` on rank ``g mod p`` (``v`` chunks per rank, torch's loop placement).
+
+        T = Σ_{g < p} total_g + (m − 1/v) · P,   P = max(max_r Σ_{g ≡ r} pace_g, Σ_g total_g / p)
+
+    The first micro-batch's first round crosses every rank once (the fill); after it every
+    rank works through ``m`` micro-batches of all its chunks at the pace of the busiest rank
+    ``P``, less the one chunk the fill already ran — so with equal chunks of time ``c`` the
+    step is ``(m·v + p − 1)·c`` and the bubble ``(p − 1)/(m·v + p − 1)``, ``v`` times smaller
+    than 1F1B's (Narayanan et al. 2021). As under 1F1B, at most ``p`` micro-batches make the
+    round trip through every chunk and link at once (the second term of ``P``). With
+    ``v = 1`` this is :func:`step_time` under 1F1B exactly."""
+    v = len(chunks) // ranks
+    if v < 1 or len(chunks) % ranks:
+        raise ValueError(f"{len(chunks)} chunks do not spread evenly over {ranks} ranks")
+    if any(math.isinf(st.total_s) or math.isinf(st.pace) for st in chunks):
+        return math.inf
+    fill = sum(st.total_s for st in chunks[:ranks])
+    per_rank = max(sum(st.pace for st in chunks[r::ranks]) for r in range(ranks))
+    pace = max(per_rank, sum(st.total_s for st in chunks) / ranks)
+    return fill + (micro_batches - 1 / v) * pace
+
+
+def interleaved_bubble(ranks: int, virtual: int, micro_batches: int) -> float:
+    """Idle fraction of interleaved 1F1B with equal chunks: (p − 1)/(m·v + p − 1)."""
+    return (ranks - 1) / (micro_batches * virtual + ranks - 1)
+
+
+def interleaved_warmup(rank: int, ranks: int, virtual: int, micro_batches: int) -> int:
+    """Forwards rank ``rank`` runs before its first backward under torch's interleaved 1F1B
+    (``ScheduleInterleaved1F1B``): a round of micro-batches per extra chunk, two more per rank
+    after it, at most every forward it has."""
+    per_round = micro_batches // max(1, micro_batches // ranks)
+    return min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), micro_batches * virtual)
+
+
+def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """The (``"F"``/``"B"``, chunk, micro-batch) operations of ``rank`` in the order torch's
+    interleaved 1F1B runs them: warm-up forwards, one forward and one backward in turn, then
+    the remaining backwards; forwards take the rank's chunks in rounds of micro-batches in
+    model order, backwards in reverse.
+
+    >>> interleaved_order(1, 2, 2, 2)
+    [('F', 1, 0), ('F', 1, 1), ('F', 3, 0), ('B', 3, 0), ('F', 3, 1), ('B', 3, 1), ('B', 1, 0), ('B', 1, 1)]
+    """
+    per_round = micro_batches // max(1, micro_batches // ranks)
+    warmup = interleaved_warmup(rank, ranks, virtual, micro_batches)
+    total = virtual * micro_batches
+    fwd_count: dict[int, int] = {}
+    bwd_count: dict[int, int] = {}
+    order: list[tuple[str, int, int]] = []
+
+    def forward(k: int) -> None:
+        chunk = ((k // per_round) % virtual) * ranks + rank
+        order.append(("F", chunk, fwd_count.setdefault(chunk, 0)))
+        fwd_count[chunk] += 1
+
+    def backward(k: int) -> None:
+        chunk = (virtual - 1 - (k // per_round) % virtual) * ranks + rank
+        order.append(("B", chunk, bwd_count.setdefault(chunk, 0)))
+        bwd_count[chunk] += 1
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(total - warmup):
+        forward(warmup + k)
+        backward(k)
+    for k in range(total - warmup, total):
+        backward(k)
+    return order
+
+
+def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batches: int,
+                          stage_time: Callable[[int, int, int], StageTime],
+                          per_rank: list[int] | None = None) -> PipelineSolution | None:
+    """A cut of ``[0, num_layers)`` into ``ranks · virtual`` chunks for interleaved 1F1B
+    (:func:`interleaved_step_time`); ``stage_time(i, j, g)`` is chunk ``g`` over layers
+    ``[i, j)``. Every cut is tried while there are at most ``EXHAUSTIVE_CUTS`` of them: the
+    optimum. Beyond that (long stacks) each stage time costs a plan, so only a few cuts are
+    tried: the equal one (Megatron's rule) and, given ``per_rank`` (the layers each rank holds
+    in the best plain 1F1B cut: what its speed and memory carry), each rank's layers split
+    evenly over its chunks; the best by the interleaved formula wins. None when none fits."""
+    chunks = ranks * virtual
+    if virtual < 1 or num_layers < chunks:
+        return None
+    if math.comb(num_layers - 1, chunks - 1) <= EXHAUSTIVE_CUTS:
+        candidates = [list(c) for c in itertools.combinations(range(1, num_layers), chunks - 1)]
+    else:
+        candidates = [_equal_cut(num_layers, chunks)]
+        if per_rank is not None and all(n >= virtual for n in per_rank) and sum(per_rank) == num_layers:
+            candidates.append(_cut_of([size for c in range(virtual) for size in
+                                       (n // virtual + (c < n % virtual) for n in per_rank)]))
+    best: PipelineSolution | None = None
+    for cuts in dict.fromkeys(tuple(c) for c in candidates):
+        bounds = [0, *cuts, num_layers]
+        times = [stage_time(bounds[g], bounds[g + 1], g) for g in range(chunks)]
+        total = interleaved_step_time(times, ranks, micro_batches)
+        if math.isfinite(total) and (best is None or total < best.step_s * (1 - 1e-12)):
+            best = PipelineSolution(tuple(cuts), tuple(t.total_s for t in times), total)
+    return best
+
+
+def _cut_of(sizes: list[int]) -> list[int]:
+    """First layers of chunks 1 … n−1 for chunks of these sizes."""
+    return list(itertools.accumulate(sizes))[:-1]
+
+
+def _equal_cut(num_layers: int, chunks: int) -> list[int]:
+    """First layers of chunks 1 … chunks−1 when the layers split as evenly as they can, the
+    extra ones on the middle chunks."""
+    base, extra = divmod(num_layers, chunks)
+    start = (chunks - extra) // 2
+    return _cut_of([base + (start <= g < start + extra) for g in range(chunks)])
+
+
+def _stage_table(num_layers: int, num_stages: int, stage_time) -> dict[tuple[int, int, int], StageTime]:
+    """Every stage time a cut of ``num_layers`` into ``num_stages`` non-empty stages may use."""
+    table: dict[tuple[int, int, int], StageTime] = {}
+    for s in range(num_stages):
+        first = [0] if s == 0 else range(s, num_layers - num_stages + s + 1)
+        for i in first:
+            last = [num_layers] if s == num_stages - 1 else range(i + 1, num_layers - num_stages + s + 2)
+            for j in last:
+                table[(i, j, s)] = stage_time(i, j, s)
+    return table
 
 
 def _least_sum(num_layers: int, num_stages: int, table, bound: float) -> tuple[list[int], list[StageTime]] | None:

@@ -284,7 +284,7 @@ def test_faster_group_gets_proportionally_more_layers(tmp_path):
     a slow link 1F1B's round trip does, and the faster group may take more than its share)."""
     model, x = _gpt(layers=32, d=128, seq=64, batch=64, vocab=256)
     path = regions(tmp_path, "H100", "V100-32GB", 1, 400, "latency_us: 1")  # sends negligible: stages set the pace
-    plan = autopar.plan(model, x, cluster=path, micro_batches=32, pipeline=True)
+    plan = autopar.plan(model, x, cluster=path, micro_batches=32, pipeline=True, schedule="1F1B")
     fast, slow = plan.stages
     assert (fast.device, slow.device) == ("H100-SXM", "V100-32GB")
     layer, micro = _gpt(layers=1, d=128, seq=64, batch=2, vocab=256)  # one layer on one micro-batch

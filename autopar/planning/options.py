@@ -8,7 +8,7 @@ replicas their batch split); nothing is threaded through keyword arguments any m
 >>> PlanOptions(schedule="zigzag")
 Traceback (most recent call last):
 ...
-autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of 1F1B, GPipe
+autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of auto, 1F1B, GPipe, Interleaved1F1B
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 from autopar.devices import MAX_DEVICES
 from autopar.errors import AutoparError, ErrorKind
 from autopar.planning.precision import Precision
+from autopar.plan_types import PIPELINE_SCHEDULES
 from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or interleaved 1F1B, the faster
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0  # a solver budget beyond a week is a typo (OR-Tools holds it in int64 ms)
 RECOMPUTE = ("auto", "none", "selective", "full")
 # hand-written configurations a person would write: costed beside every plan
@@ -41,7 +42,7 @@ class PlanOptions:
     cluster_layers: bool = True
     pipeline: bool | None = None
     micro_batches: int | None = None
-    schedule: str = "1F1B"
+    schedule: str = "auto"
     replicas: bool | None = None
     batch_split: tuple[int, ...] | None = None
     configuration: str | None = None

@@ -28,7 +28,7 @@ import torch
 from autopar.cluster import Cluster, DeviceGroup
 from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan import Plan, StagePlan, TensorSpec
+from autopar.plan import MemoryBreakdown, Plan, StagePlan, TensorSpec
 from autopar.planning.one_mesh import make_plan
 from autopar.planning.options import PlanOptions
 from autopar.units import format_bytes
@@ -38,7 +38,8 @@ from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
-from autopar.solvers.pipeline import StageTime, bubble, partition, step_time
+from autopar.solvers.pipeline import (PipelineSolution, StageTime, bubble, interleaved_bubble, interleaved_step_time,
+                                      interleaved_warmup, partition, partition_interleaved, step_time)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,83 @@ def groups_unavailable(cluster: Cluster, options: PlanOptions) -> str | None:
 # recompute option -> the modes a search over device groups tries, in order (the first that fits wins)
 RECOMPUTE_MODES = {"auto": ("none", "selective", "full"), "none": ("none",), "selective": ("selective",),
                    "full": ("full",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a schedule lays stages on ``ranks`` device groups: ``virtual`` chunks of layers per
+    group (interleaved 1F1B: chunk ``g`` on group ``g mod ranks``; otherwise 1), and what each
+    chunk holds in flight and may use of its devices' memory."""
+
+    schedule: str
+    ranks: int
+    virtual: int = 1
+
+    @property
+    def chunks(self) -> int:
+        return self.ranks * self.virtual
+
+    def group_of(self, g: int) -> int:
+        return g % self.ranks
+
+    def in_flight(self, g: int, micro_batches: int) -> int:
+        """Micro-batches whose activations chunk ``g`` holds at once: every one under GPipe;
+        under 1F1B the stages from it to the last; under interleaved 1F1B its rank's warm-up
+        forwards and one more (torch's ScheduleInterleaved1F1B), shared by the rank's chunks."""
+        if self.schedule == "GPipe":
+            return micro_batches
+        if self.virtual == 1:
+            return min(self.ranks - g, micro_batches)
+        warmup = interleaved_warmup(self.group_of(g), self.ranks, self.virtual, micro_batches)
+        return min(micro_batches, -(-(warmup + 1) // self.virtual))
+
+    def memory_share(self) -> int:
+        """Chunks sharing one device's memory: each is planned within its share of it."""
+        return self.virtual
+
+    def partition(self, num_layers: int, micro_batches: int, timer,
+                  plain: PipelineSolution | None = None) -> PipelineSolution | None:
+        """The best cut under this layout; interleaved layouts start from ``plain`` (the best
+        cut with one stage per group), each group's layers split over its chunks."""
+        if self.virtual > 1:
+            sizes = None if plain is None else \
+                [b - a for a, b in zip((0, *plain.cuts), (*plain.cuts, num_layers))]
+            return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes)
+        # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
+        return partition(num_layers, self.ranks, micro_batches, timer,
+                         in_flight=self.ranks if self.schedule == "1F1B" else None)
+
+    def step_s(self, times: list[StageTime], micro_batches: int) -> float:
+        if self.virtual > 1:
+            return interleaved_step_time(times, self.ranks, micro_batches)
+        return step_time(times, micro_batches, in_flight=self.ranks if self.schedule == "1F1B" else None)
+
+    def bubble(self, micro_batches: int) -> float:
+        if self.virtual > 1:
+            return interleaved_bubble(self.ranks, self.virtual, micro_batches)
+        return bubble(self.ranks, micro_batches)
+
+
+# virtual stages per group interleaved 1F1B tries (torchtitan and Megatron use a few per rank)
+VIRTUAL_STAGES = (2, 4)
+
+
+def schedule_layouts(schedule: str, ranks: int, layers: int, micro_batches: int) -> list[Layout]:
+    """The layouts the search tries for ``schedule`` ("auto": 1F1B and interleaved 1F1B):
+    interleaved ones need a layer per chunk and, as torch's ScheduleInterleaved1F1B, a whole
+    number of micro-batches per round (``m`` divisible by ``max(1, m // ranks)``)."""
+    plain = [Layout(schedule, ranks)] if schedule in ("1F1B", "GPipe") else [Layout("1F1B", ranks)] \
+        if schedule == "auto" else []
+    if schedule not in ("auto", "Interleaved1F1B"):
+        return plain
+    rounds = max(1, micro_batches // ranks)
+    interleaved = [Layout("Interleaved1F1B", ranks, v) for v in VIRTUAL_STAGES
+                   if ranks * v <= layers and micro_batches % rounds == 0]
+    if schedule == "Interleaved1F1B" and not interleaved:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"interleaved 1F1B puts {VIRTUAL_STAGES[0]} or more chunks of layers on "
+                           f"each of the {ranks} stages' devices: the model's {layers} layers are too few; use "
+                           "schedule='1F1B'")
+    return plain + interleaved
 
 
 def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
@@ -146,32 +224,35 @@ class PipelineStages:
                                    f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "
                                    f"such as blocks.0) but the cluster has {len(groups)} groups; pipeline stages are "
                                    "cut between layers: use fewer groups or plan without pipeline stages")
-            # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
-            found = partition(len(stages.layers), len(groups), m, stages.time_s,
-                              in_flight=len(groups) if options.schedule == "1F1B" else None)
-            tried.append({"micro_batches": m, "cuts": list(found.cuts) if found else None,
-                          "predicted_step_s": found.step_s if found else None})
-            if found is None:
+            fitted = False
+            plain = None  # the best cut with one stage per group: where interleaving starts from
+            for layout in schedule_layouts(options.schedule, len(groups), len(stages.layers), m):
+                found = layout.partition(len(stages.layers), m, stages.timer(layout), plain)
+                plain = found if layout.virtual == 1 else plain
+                tried.append({"micro_batches": m, "schedule": layout.schedule, "virtual_stages": layout.virtual,
+                              "cuts": list(found.cuts) if found else None,
+                              "predicted_step_s": found.step_s if found else None})
+                fitted = fitted or found is not None
+                if found is not None and (best is None or found.step_s < best[2].step_s * (1 - 1e-9)):
+                    best = (stages, layout, found)
+            if not fitted:
                 smallest = stages.largest_layer()
-                continue
-            if best is None or found.step_s < best[1].step_s * (1 - 1e-9):
-                best = (stages, found)
         if best is None:
             raise _no_fit(cluster, groups, smallest)
-        stages, found = best
-        plan = stages.assemble(found, tried, start)
-        log.info("pipeline plan: %d stages, %d micro-batches, cuts %s, predicted step %.3g s",
-                 len(groups), stages.micro_batches, found.cuts, found.step_s)
+        stages, layout, found = best
+        plan = stages.assemble(found, layout, tried, start)
+        log.info("pipeline plan: %d stages, %s × %d, %d micro-batches, cuts %s, predicted step %.3g s",
+                 len(groups), layout.schedule, layout.virtual, stages.micro_batches, found.cuts, found.step_s)
         return plan
 
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from autopar.parallel import ParallelModule
-        from autopar.passes.pipeline_lower import lower_pipeline
+        from autopar.passes.pipeline_lower import lower_pipeline, merged_module
         from autopar.planning.lowering import capture_for, device_type
 
         # the plan's inputs are one micro-batch: a graph of the whole batch does not serve
-        module, runtime = lower_pipeline(capture_for(model, plan), plan, model, loss_fn, device_type())
-        return ParallelModule(module, plan, loss_fn, runtime)
+        modules, runtime = lower_pipeline(capture_for(model, plan), plan, model, loss_fn, device_type())
+        return ParallelModule(merged_module(modules), plan, loss_fn, runtime, pieces=modules)
 
 
 def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) -> float:
@@ -180,7 +261,7 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     stage's own placements depend only on its group, so where only the links between groups
     changed they are the plan's), the sends costed on the new links. An AutoparError where the
     plan's device groups are not the cluster's."""
-    wanted = [(st.group, tuple(st.ranks)) for st in plan.stages]
+    wanted = [(st.group, tuple(st.ranks)) for st in plan.stages[:len(plan.stages) // plan.virtual_stages]]
     cluster = next((view for view in stage_groupings(graphs, cluster)
                     if [(g.name, g.ranks) for g in view.groups()] == wanted), None)
     if cluster is None:
@@ -188,8 +269,9 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
                            "no grouping of this cluster's regions or hosts gives")
     groups = cluster.groups()
     m = plan.micro_batches
+    layout = Layout(plan.schedule or "1F1B", len(groups), plan.virtual_stages)
     options = dataclasses.replace(options, recompute=next(iter(plan.recompute.values()), "none"),
-                                  schedule=plan.schedule)
+                                  schedule=layout.schedule)
     stages = _StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options)
     layers = [layer for st in plan.stages for layer in st.layers]
     if layers != stages.layers:
@@ -197,8 +279,8 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     cuts = [0]
     for st in plan.stages:
         cuts.append(cuts[-1] + len(st.layers))
-    times = [stages.time_s(cuts[s], cuts[s + 1], s) for s in range(len(groups))]
-    return step_time(times, m, in_flight=len(groups) if plan.schedule == "1F1B" else None)
+    times = [stages.time_s(cuts[g], cuts[g + 1], g, layout) for g in range(layout.chunks)]
+    return layout.step_s(times, m)
 
 
 def check_micro_batches(pinned: int, batch: int) -> None:
@@ -231,7 +313,7 @@ class _StageCosts:
         for node in captured.graph.nodes:  # stage graphs copy meta: strategies enumerated once per mesh
             node.meta[MEMO_KEY] = {}
         self.captured, self.cluster, self.groups = captured, cluster, groups
-        self.micro_batches, self.schedule, self.options = micro_batches, options.schedule, options
+        self.micro_batches, self.options = micro_batches, options
         self.layers = layer_order(captured.graph)
         signature = layer_signatures(captured)
         self._signature = [signature.get(layer) for layer in self.layers]
@@ -239,48 +321,57 @@ class _StageCosts:
         # stage key -> (time, (i, j) it was solved for, its plan with send time, or the error)
         self._memo: dict[tuple, tuple[float, tuple[int, int], tuple[Plan, float] | AutoparError]] = {}
 
-    def in_flight(self, s: int) -> int:
-        p = len(self.groups)
-        return self.micro_batches if self.schedule == "GPipe" else min(p - s, self.micro_batches)
+    def timer(self, layout: Layout) -> Callable[[int, int, int], StageTime]:
+        """``(i, j, g) ->`` the per-micro-batch time of chunk ``g`` of ``layout`` over layers
+        ``[i, j)`` and its link (inf if it does not fit)."""
+        return lambda i, j, g: self.time_s(i, j, g, layout)
 
-    def time_s(self, i: int, j: int, s: int) -> StageTime:
-        """Per-micro-batch time of stage ``s`` over layers ``[i, j)`` and its link (inf if it does not fit)."""
-        key = (i == 0, j == len(self.layers), tuple(self._signature[i:j]), s)
+    def _key(self, i: int, j: int, g: int, layout: Layout) -> tuple:
+        """Chunks of identical layers at the same ends, on one group, holding as much in
+        flight within the same share of memory, and sending to the same group cost the same."""
+        last = j == len(self.layers)
+        return (i == 0, last, tuple(self._signature[i:j]), layout.group_of(g),
+                None if last else layout.group_of(g + 1), layout.in_flight(g, self.micro_batches),
+                layout.memory_share())
+
+    def time_s(self, i: int, j: int, g: int, layout: Layout) -> StageTime:
+        key = self._key(i, j, g, layout)
         if key not in self._memo:
             try:
-                plan, (busy_s, latency_s) = self.stage(i, j, s)
+                plan, (busy_s, latency_s) = self.stage(i, j, g, layout)
                 self._memo[key] = (StageTime(plan.predicted_step_s + busy_s + latency_s,
-                                             max(plan.predicted_step_s, busy_s)), (i, j), (plan, (busy_s, latency_s)))
+                                             max(plan.predicted_step_s, busy_s)), (i, j, g), (plan, (busy_s, latency_s)))
             except AutoparError as exc:
                 if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
                     raise
-                self._memo[key] = (StageTime(math.inf), (i, j), exc)
+                self._memo[key] = (StageTime(math.inf), (i, j, g), exc)
         return self._memo[key][0]
 
-    def chosen(self, i: int, j: int, s: int) -> tuple[Plan, tuple[float, float]]:
-        """Plan of stage ``s`` over exactly layers ``[i, j)`` (node names differ between
+    def chosen(self, i: int, j: int, g: int, layout: Layout) -> tuple[Plan, tuple[float, float]]:
+        """Plan of chunk ``g`` over exactly layers ``[i, j)`` (node names differ between
         identical stages at other positions, so those are planned again)."""
-        key = (i == 0, j == len(self.layers), tuple(self._signature[i:j]), s)
-        _t, solved_for, result = self._memo.get(key, (None, None, None))
-        return result if solved_for == (i, j) else self.stage(i, j, s)
+        _t, solved_for, result = self._memo.get(self._key(i, j, g, layout), (None, None, None))
+        return result if solved_for == (i, j, g) else self.stage(i, j, g, layout)
 
-    def stage(self, i: int, j: int, s: int) -> tuple[Plan, tuple[float, float]]:
-        """Intra-operator plan of layers ``[i, j)`` on group ``s``, and its link's busy time
-        and latency per micro-batch."""
-        part = self._piece(i, j)
-        group = self.groups[s]
-        plan = make_plan(part, group.cluster, self.options, baselines=False, activation_copies=self.in_flight(s),
-                         annotate=False)
-        send_s = self._send_s([n.meta["val"] for n in part.graph.output_node().all_input_nodes], s) \
-            if j < len(self.layers) else (0.0, 0.0)
+    def stage(self, i: int, j: int, g: int, layout: Layout) -> tuple[Plan, tuple[float, float]]:
+        """Intra-operator plan of layers ``[i, j)`` on chunk ``g``'s group (within its share
+        of the devices' memory), and its link's busy time and latency per micro-batch."""
+        part = self._piece(i, j, g)
+        group = self.groups[layout.group_of(g)]
+        cluster = group.cluster if layout.memory_share() == 1 else dataclasses.replace(
+            group.cluster, memory_limit_bytes=group.cluster.memory_limit_bytes // layout.memory_share())
+        plan = make_plan(part, cluster, self.options, baselines=False,
+                         activation_copies=layout.in_flight(g, self.micro_batches), annotate=False)
+        send_s = self._send_s([n.meta["val"] for n in part.graph.output_node().all_input_nodes],
+                              layout.group_of(g), layout.group_of(g + 1)) if j < len(self.layers) else (0.0, 0.0)
         return plan, send_s
 
-    def _send_s(self, vals: list[torch.Tensor], s: int) -> tuple[float, float]:
-        """Boundary tensors of stage ``s`` to stage ``s + 1`` and their gradients back, per
-        micro-batch: each lane sends its slice (whole where no dim divides evenly), lanes
-        crossing a WAN link share it, and the receiving group all-gathers the slices (the
-        sending group gathers the gradients' slices in backward). Returns (busy, latency)."""
-        here, there = self.groups[s], self.groups[s + 1]
+    def _send_s(self, vals: list[torch.Tensor], s: int, t: int) -> tuple[float, float]:
+        """Boundary tensors of a stage on group ``s`` to the next on group ``t``, and their
+        gradients back, per micro-batch: each lane sends its slice (whole where no dim divides
+        evenly), lanes crossing a WAN link share it, and the receiving group all-gathers the
+        slices (the sending group gathers the gradients' slices in backward). Returns (busy, latency)."""
+        here, there = self.groups[s], self.groups[t]
         lanes = len(here.ranks)
         link = self.cluster.link_between(here, there)
         busy = latency = 0.0
@@ -298,11 +389,14 @@ class _StageCosts:
                     busy += all_gather_s(tensor_bytes(val), lanes, here.cluster.group_link(range(lanes)))
         return busy, latency
 
-    def _piece(self, i: int, j: int) -> Captured:
-        """The graph of layers ``[i, j)`` as a Captured of its own."""
-        cuts = [c for c in (i, j) if 0 < c < len(self.layers)]
+    def _piece(self, i: int, j: int, g: int) -> Captured:
+        """The graph of layers ``[i, j)`` as stage ``g`` (its boundary inputs are named after
+        the stage, as the lowered pipeline names them: passes.stages), a Captured of its own.
+        Stages before it cut one layer each (``i >= g``): where earlier layers are cut does
+        not change what enters stage ``g``."""
+        cuts = [*range(1, g), *(c for c in (i, j) if 0 < c < len(self.layers))]
         stage_of = assign_stages(self.captured.graph, self.layers, cuts, self._state, self.captured.parameter_of)
-        index = 1 if i > 0 else 0
+        index = g
         piece = split_graph(self.captured.graph, stage_of, len(cuts) + 1, self._state, only=index)[index]
         names = {n.name for n in piece.graph.nodes if n.op == "placeholder"}
         boundary = [n for n in piece.graph.nodes if n.op == "placeholder" and n.name not in self._state]
@@ -311,7 +405,7 @@ class _StageCosts:
             self.captured, inputs=inputs,
             parameter_of={k: v for k, v in self.captured.parameter_of.items() if k in names},
             buffer_of={k: v for k, v in self.captured.buffer_of.items() if k in names},
-            fingerprint=f"{self.captured.fingerprint}/layers{i}-{j}", aliases={}, stage_graph=piece.graph,
+            fingerprint=f"{self.captured.fingerprint}/layers{i}-{j}@{g}", aliases={}, stage_graph=piece.graph,
             grad_inputs=frozenset(n.name for n in boundary if index and n.meta["val"].dtype.is_floating_point))
 
     def largest_layer(self) -> tuple[str, int]:
@@ -321,33 +415,37 @@ class _StageCosts:
         worst = ("", 0)
         for k, layer in enumerate(self.layers):
             try:
-                make_plan(self._piece(k, k + 1), roomiest.cluster, self.options, baselines=False, annotate=False)
+                make_plan(self._piece(k, k + 1, min(k, 1)), roomiest.cluster, self.options, baselines=False, annotate=False)
             except AutoparError as exc:
                 if exc.kind is ErrorKind.INFEASIBLE_MEMORY and (exc.needed_bytes or 0) > worst[1]:
                     worst = (layer, exc.needed_bytes)
         return worst
 
-    def assemble(self, found, tried: list[dict], start: float) -> Plan:
-        """One plan from the chosen stages, each planned again under its own node names."""
+    def assemble(self, found: PipelineSolution, layout: Layout, tried: list[dict], start: float) -> Plan:
+        """One plan from the chosen stages (interleaved: every chunk, in model order), each
+        planned again under its own node names."""
         cuts = [0, *found.cuts, len(self.layers)]
         stage_plans, stages = [], []
-        for s, group in enumerate(self.groups):
-            plan, (busy_s, latency_s) = self.chosen(cuts[s], cuts[s + 1], s)
+        for g in range(layout.chunks):
+            group = self.groups[layout.group_of(g)]
+            plan, (busy_s, latency_s) = self.chosen(cuts[g], cuts[g + 1], g, layout)
             send_s = busy_s + latency_s
             stage_plans.append(plan)
             stages.append(StagePlan(
                 group=group.name, device=group.cluster.device.name, ranks=group.ranks,
                 mesh_shape=plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names,
-                layers=tuple(self.layers[cuts[s]:cuts[s + 1]]), compute_s=plan.predicted_step_s, send_s=send_s,
-                in_flight=self.in_flight(s), memory=plan.memory))
+                layers=tuple(self.layers[cuts[g]:cuts[g + 1]]), compute_s=plan.predicted_step_s, send_s=send_s,
+                in_flight=layout.in_flight(g, self.micro_batches), memory=plan.memory))
         nodes, parameters, buffers = {}, {}, {}
-        for s, plan in enumerate(stage_plans):
-            nodes.update({k: dataclasses.replace(v, stage=s) for k, v in plan.nodes.items()})
+        for g, plan in enumerate(stage_plans):
+            nodes.update({k: dataclasses.replace(v, stage=g) for k, v in plan.nodes.items()})
             parameters.update(plan.parameters)
             buffers.update(plan.buffers)
         m, p = self.micro_batches, len(self.groups)
-        compute = m * max(plan.predicted_compute_s for plan in stage_plans)
-        memory = max((plan.memory for plan in stage_plans), key=lambda mem: mem.total_bytes)
+        # per group: its chunks' compute and memory add up (one chunk per group without interleaving)
+        compute = m * max(sum(plan.predicted_compute_s for plan in stage_plans[r::p]) for r in range(p))
+        memory = max((MemoryBreakdown.together([plan.memory for plan in stage_plans[r::p]]) for r in range(p)),
+                     key=lambda mem: mem.total_bytes)
         lanes = len(self.groups[0].ranks)
         return Plan(
             fingerprint=self.captured.fingerprint,
@@ -365,7 +463,8 @@ class _StageCosts:
             experts={k: v for plan in stage_plans for k, v in plan.experts.items()},
             recompute={k: v for plan in stage_plans for k, v in plan.recompute.items()},
             recompute_cost=_recompute_cost(stage_plans),
-            stages=tuple(stages), micro_batches=m, schedule=self.schedule, bubble=bubble(p, m), family="pipeline",
+            stages=tuple(stages), micro_batches=m, schedule=layout.schedule, virtual_stages=layout.virtual,
+            bubble=layout.bubble(m), family="pipeline",
             timings={"plan_s": time.perf_counter() - start})
 
 

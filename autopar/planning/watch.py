@@ -135,8 +135,9 @@ def _hops(plan, cluster: Cluster) -> list[tuple[tuple[int, int], str]]:
     for a plan over one mesh, between the first hosts of every two regions, or — one region
     of several hosts — between the first two hosts."""
     groups = plan.stages or plan.replicas
-    if groups:
-        return [((a.ranks[0], b.ranks[0]), _link_name(cluster, a.group, b.group)) for a, b in zip(groups, groups[1:])]
+    if groups:  # interleaved chunks cross the same links again: each once
+        hops = [((a.ranks[0], b.ranks[0]), _link_name(cluster, a.group, b.group)) for a, b in zip(groups, groups[1:])]
+        return list(dict.fromkeys(hops))
     first_host = {}
     for host in range(cluster.hosts):
         first_host.setdefault(cluster.region_of(host), host)

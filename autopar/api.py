@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", *,
          memory_limit: float | None = None, optimizer: str = "adamw", solver: str = "cpsat",
-         time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None,
+         time_limit_s: float = 60.0, mesh_shape: tuple[int, ...] | None = None, mesh_dims: int = 2,
          cluster_layers: bool = True, pipeline: bool | None = None, micro_batches: int | None = None,
          schedule: str = "auto", replicas: bool | None = None, batch_split: tuple[int, ...] | None = None,
          configuration: str | None = None, sparsity: dict[str, float] | None = None,
@@ -37,8 +37,9 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     over the groups and data-parallel replicas on the groups (the batch split by their speed),
     and keeps the fastest; ``pipeline=True`` or ``replicas=True`` forces one of them, ``False``
     rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``schedule`` its
-    schedule ("1F1B", "GPipe", "Interleaved1F1B"; "auto" tries 1F1B and interleaved 1F1B with
-    2 or 4 chunks of layers per stage and keeps the faster), ``batch_split`` the
+    schedule ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"; "auto" tries 1F1B
+    and both interleaved ones with 2 or 4 chunks of layers per stage, and keeps the fastest),
+    ``batch_split`` the
     replicas' rows per group. ``configuration="ddp"`` (or fsdp, megatron_tp, tp_dp) returns
     that hand-written configuration, costed and lowerable like any plan.
     Embedding tables read by one lookup are planned as sparse parameters (dense all-reduce,
@@ -68,6 +69,7 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
 
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     options = PlanOptions(optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, mesh_shape=mesh_shape,
+                          mesh_dims=mesh_dims,
                           cluster_layers=cluster_layers, pipeline=pipeline, micro_batches=micro_batches,
                           schedule=schedule, replicas=replicas, batch_split=batch_split, configuration=configuration,
                           sparsity=sparsity, symbolic=symbolic, mixed_precision=Precision.of(mixed_precision), recompute=recompute,

@@ -5,6 +5,8 @@ consecutive ranks; keeping it inside a host puts tensor-parallel traffic on NVLi
 
 >>> [m.shape for m in candidate_meshes(Cluster.from_spec("2x4xH100"))]
 [(8,), (4, 2), (2, 4)]
+>>> [m.shape for m in three_dim_refinements(Cluster.from_spec("8x8xH100"), (8, 8))]
+[(2, 4, 8), (4, 2, 8)]
 """
 
 from __future__ import annotations
@@ -61,3 +63,15 @@ def candidate_meshes(cluster: Cluster) -> list[MeshSpec]:
         if n % inner == 0 and cluster.devices_per_host % inner == 0 and n // inner > 1:
             shapes.append((n // inner, inner))
     return [mesh_for_shape(cluster, s) for s in shapes]
+
+
+def three_dim_refinements(cluster: Cluster, shape: tuple[int, ...]) -> list[MeshSpec]:
+    """3-D meshes that split a 2-D mesh's outer dim ``x`` into ``a × x/a``: a data-parallel
+    dim over ``a`` groups of whole hosts (HSDP's replicate dim; passes.strategies prunes it to
+    batch splits) outside the rest — DP-replicate × DP-shard × TP, or DP × FSDP × TP. The
+    one-mesh search tries them after the 2-D meshes, from the best of those."""
+    if len(shape) != 2:
+        return []
+    outer, inner = shape
+    return [mesh_for_shape(cluster, (a, outer // a, inner)) for a in range(2, outer // 2 + 1)
+            if outer % a == 0 and cluster.hosts % a == 0]

@@ -222,8 +222,9 @@ class Plan:
     family: str = "one_mesh"
     families: dict[str, dict[str, Any]] = field(default_factory=dict)
     # pipeline: stages in order (empty = one stage over the whole mesh), micro-batches per
-    # step, schedule ("1F1B", "GPipe", "Interleaved1F1B") and the predicted idle fraction
-    # (p−1)/(m+p−1), interleaved (p−1)/(m·v+p−1);
+    # step, schedule ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble") and the
+    # predicted idle fraction (p−1)/(m+p−1), interleaved (p−1)/(m·v+p−1), zero bubble
+    # (p−1)/(3·m·v+p−1);
     # ``inputs`` then describe one micro-batch
     stages: tuple[StagePlan, ...] = ()
     # heterogeneous data parallelism: every group runs the whole model (``nodes`` placed on its

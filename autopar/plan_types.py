@@ -23,7 +23,7 @@ _NUMBER = (int, float)
 # plan.family: the planning families (autopar.planning.FAMILIES; a test keeps the two alike)
 PLAN_FAMILIES = ("one_mesh", "pipeline", "replicas")
 # pipeline schedules a plan may record (torch.distributed.pipelining's Schedule<name>)
-PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
 # how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
 PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
                        "table_wise", "expert_parallel", "expert_tensor_parallel")

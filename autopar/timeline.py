@@ -18,14 +18,20 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
 
     1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
     backward, then drains; GPipe: all forwards, then all backwards; interleaved 1F1B: torch's
-    order (solvers.pipeline.interleaved_order).
+    order (solvers.pipeline.interleaved_order); interleaved zero bubble: the same skeleton with
+    its shorter warm-up, each backward drawn whole (the schedule itself runs weight gradients
+    later, in what this draws as idle, so its step is shorter than the drawing).
     """
     chunks, m, v = len(plan.stages), plan.micro_batches, plan.virtual_stages
     p = chunks // v
     fwd = [st.compute_s / 3 for st in plan.stages]
     bwd = [2 * st.compute_s / 3 for st in plan.stages]
     send = [st.send_s / 2 for st in plan.stages]  # one way
-    orders = [interleaved_order(r, p, v, m) if v > 1 else _one_chunk_order(plan.schedule, r, p, m) for r in range(p)]
+    # zero bubble: torch's F/B skeleton (shorter warm-up), each backward drawn with its weight
+    # gradients, which the real schedule moves into the idle cells
+    per_hop = 1 if plan.schedule == "InterleavedZeroBubble" else 2
+    orders = [interleaved_order(r, p, v, m, per_hop) if v > 1 else _one_chunk_order(plan.schedule, r, p, m)
+              for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     spans: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
     clock, position = [0.0] * p, [0] * p

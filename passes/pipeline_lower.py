@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                         ScheduleInterleavedZeroBubble)
 
 from autopar.plan import Plan
 from autopar.passes.capture import Captured
@@ -34,7 +35,11 @@ from autopar.passes.lower import group_meshes, lower_module, owner_submeshes, st
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"
-_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B}
+_SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
+              "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+# schedules that split each backward in two (input gradients, then weight gradients): torch
+# detaches the stage's outputs in place between the halves, which a view cannot take
+_SPLIT_BACKWARD = ("InterleavedZeroBubble",)
 
 
 class PipelineRuntime:
@@ -126,6 +131,8 @@ def _lower_stage(gm: torch.fx.GraphModule, graph: torch.fx.Graph, g: int, plan: 
         checkpoint_layers(module, recomputed)
     width, last = len(plan.stages[g].ranks), len(plan.stages) - 1
     _slice_boundaries(module, lane_mesh, g > 0, g < last, width)
+    if plan.schedule in _SPLIT_BACKWARD:
+        _own_outputs(module)
     examples = tuple(_sliced(t, width) for t in examples) if g > 0 else examples
     outputs = tuple(_sliced(t, width) for t in outputs) if g < last else outputs
     return module, (examples, outputs[0] if len(outputs) == 1 else outputs)
@@ -157,6 +164,23 @@ def _slice_boundaries(module: torch.fx.GraphModule, lane_mesh: DeviceMesh, input
                          graph.call_function(runtime.send_slice, (v, mesh_node, lane_slice_dim(_val(v), lanes)))
                          for v in out.args[0])
         out.args = (sent,)
+    graph.lint()
+    module.recompile()
+
+
+def _own_outputs(module: torch.fx.GraphModule) -> None:
+    """Every tensor the stage returns in storage of its own (a copy where it would be a view,
+    e.g. a DTensor's local part), so the schedule may detach it in place."""
+    graph = module.graph
+    out = graph.output_node()
+    values = out.args[0]
+    with graph.inserting_before(out):
+        if isinstance(values, (tuple, list)):
+            owned = type(values)(graph.call_method("clone", (v,)) if isinstance(v, torch.fx.Node) else v
+                                 for v in values)
+        else:
+            owned = graph.call_method("clone", (values,))
+    out.args = (owned,)
     graph.lint()
     module.recompile()
 

@@ -7,13 +7,19 @@ of the per-dimension ones, filtered for even sharding. This is how DTensor itsel
 single-dim strategies, so the lowered program runs the placements the plan chose.
 Ops DTensor has no rule for run replicated (a warning names them once).
 
-Two prunings keep the problem small without losing plans worth having:
+Three prunings keep the problem small without losing plans worth having:
   * constants (nodes that depend on no input or parameter: causal masks, position ids) are
     never partial sums — a sum of pieces of a mask is never cheaper than the mask;
   * inputs in a non-sum partial state (``P(max)``, ``P(avg)``…) are not offered to
     consumers: DTensor's single-dim expansion proposes them for every linear op (e.g. a
     P(max) + P(max) add), they multiply a residual stream's placements by 2.5 on a 2-D
-    mesh, and a producer that outputs one is still reduced to R or S by resharding.
+    mesh, and a producer that outputs one is still reduced to R or S by resharding;
+  * the outer dim of a 3-D mesh splits the batch only (:func:`batch_only_dims`): there every
+    op's tensors are replicated or split on their first dim, never partial — the data-parallel
+    dim of HSDP + TP (torchtitan orders mesh dims data-parallel first). Parameters may still
+    be sharded on it (FSDP over it; their placements are not pruned). Without this a 3-D mesh
+    multiplies every op's strategies by a third factor of the same size (a small GPT on
+    (2, 2, 2) planned in 30 s against 8 s with it, to the same optimum).
 
 Writes ``node.meta["autopar.strategies"] = [Strategy, ...]`` on call_function nodes.
 A strategy's placement of one tensor is a spec of autopar.placements values, one per mesh dim:
@@ -267,13 +273,16 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
 def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: bool, cache: dict) -> None:
     """Strategies of one node on ``mesh_shape`` (``cache``: one-dim rules by op signature)."""
     per_dim = []
-    for size in mesh_shape:
+    batch_only = batch_only_dims(mesh_shape)
+    for dim, size in enumerate(mesh_shape):
         key = _cache_key(node, size)
         if key not in cache:
             cache[key] = one_dim_strategies(node, size)
         rules = cache[key]
         if rules is not None and node.target is not operator.getitem:
             rules = [r for r in rules if _worth_planning(r, constant=constant)]
+        if rules is not None and dim in batch_only:  # an op with no such rule keeps all of them
+            rules = [r for r in rules if _splits_batch_only(r)] or rules
         per_dim.append(rules)
     custom = node.target in DTensor._op_dispatcher._custom_op_handlers
     if any(rules is None for rules in per_dim):
@@ -285,6 +294,20 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
     if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
         strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
     node.meta[STRATEGIES_KEY] = strategies
+
+
+def batch_only_dims(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Mesh dims whose op placements are only replicated or split on the first tensor dim
+    (the module docstring's third pruning): the outer dim of a 3-D mesh."""
+    return (0,) if len(mesh_shape) == 3 else ()
+
+
+def _splits_batch_only(rule: tuple[tuple, tuple]) -> bool:
+    outputs, inputs = rule
+    return all(p is None or p is pl.R or p == BATCH_SPLIT for p in (*outputs, *inputs))
+
+
+BATCH_SPLIT = pl.Shard(0)
 
 
 def _worth_planning(rule: tuple[tuple, tuple], constant: bool) -> bool:

@@ -45,6 +45,9 @@ class StageTime:
 
     total_s: float
     pace_s: float | None = None  # None: the same as total_s (no link)
+    # the share of total_s that is weight gradients: what a zero-bubble schedule defers into
+    # the bubbles (it runs after the input gradients the previous stage waits for)
+    deferrable_s: float = 0.0
 
     @property
     def pace(self) -> float:
@@ -122,20 +125,38 @@ def interleaved_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
     return fill + (micro_batches - 1 / v) * pace
 
 
+def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: int) -> float:
+    """Interleaved zero-bubble step time (torch's ``ScheduleInterleavedZeroBubble``, ZB1P of
+    Qi et al. 2024): the backward splits into input gradients, which the previous stage waits
+    for, and weight gradients ``W``, which wait for nothing and fill the idle slots. Against
+    interleaved 1F1B the bubble loses ``2·W`` per rank it crosses — ``(p − 1)(F + B − W)``
+    instead of ``(p − 1)(F + B + W)`` in the paper's terms:
+
+        T = T_interleaved − 2 (p − 1)/p · Σ_{g < p} W_g,   at least m · P (the busiest rank's work)
+    """
+    interleaved = interleaved_step_time(chunks, ranks, micro_batches)
+    if math.isinf(interleaved):
+        return math.inf
+    per_rank = max(sum(st.pace for st in chunks[r::ranks]) for r in range(ranks))
+    hidden = 2 * (ranks - 1) / ranks * sum(st.deferrable_s for st in chunks[:ranks])
+    return max(interleaved - hidden, micro_batches * per_rank)
+
+
 def interleaved_bubble(ranks: int, virtual: int, micro_batches: int) -> float:
     """Idle fraction of interleaved 1F1B with equal chunks: (p − 1)/(m·v + p − 1)."""
     return (ranks - 1) / (micro_batches * virtual + ranks - 1)
 
 
-def interleaved_warmup(rank: int, ranks: int, virtual: int, micro_batches: int) -> int:
+def interleaved_warmup(rank: int, ranks: int, virtual: int, micro_batches: int, per_hop: int = 2) -> int:
     """Forwards rank ``rank`` runs before its first backward under torch's interleaved 1F1B
-    (``ScheduleInterleaved1F1B``): a round of micro-batches per extra chunk, two more per rank
-    after it, at most every forward it has."""
+    (``ScheduleInterleaved1F1B``): a round of micro-batches per extra chunk, ``per_hop`` more
+    per rank after it (2; the interleaved zero-bubble schedule: 1), at most every forward it has."""
     per_round = micro_batches // max(1, micro_batches // ranks)
-    return min((virtual - 1) * per_round + 2 * (ranks - 1 - rank), micro_batches * virtual)
+    return min((virtual - 1) * per_round + per_hop * (ranks - 1 - rank), micro_batches * virtual)
 
 
-def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int) -> list[tuple[str, int, int]]:
+def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int,
+                      per_hop: int = 2) -> list[tuple[str, int, int]]:
     """The (``"F"``/``"B"``, chunk, micro-batch) operations of ``rank`` in the order torch's
     interleaved 1F1B runs them: warm-up forwards, one forward and one backward in turn, then
     the remaining backwards; forwards take the rank's chunks in rounds of micro-batches in
@@ -145,7 +166,7 @@ def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int) -
     [('F', 1, 0), ('F', 1, 1), ('F', 3, 0), ('B', 3, 0), ('F', 3, 1), ('B', 3, 1), ('B', 1, 0), ('B', 1, 1)]
     """
     per_round = micro_batches // max(1, micro_batches // ranks)
-    warmup = interleaved_warmup(rank, ranks, virtual, micro_batches)
+    warmup = interleaved_warmup(rank, ranks, virtual, micro_batches, per_hop)
     total = virtual * micro_batches
     fwd_count: dict[int, int] = {}
     bwd_count: dict[int, int] = {}
@@ -173,10 +194,13 @@ def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int) -
 
 def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batches: int,
                           stage_time: Callable[[int, int, int], StageTime],
-                          per_rank: list[int] | None = None) -> PipelineSolution | None:
+                          per_rank: list[int] | None = None,
+                          step: Callable[[list[StageTime], int, int], float] = interleaved_step_time
+                          ) -> PipelineSolution | None:
     """A cut of ``[0, num_layers)`` into ``ranks · virtual`` chunks for interleaved 1F1B
     (:func:`interleaved_step_time`); ``stage_time(i, j, g)`` is chunk ``g`` over layers
-    ``[i, j)``. Every cut is tried while there are at most ``EXHAUSTIVE_CUTS`` of them: the
+    ``[i, j)``; ``step`` the schedule's time (:func:`interleaved_step_time`, or
+    :func:`zero_bubble_step_time`). Every cut is tried while there are at most ``EXHAUSTIVE_CUTS`` of them: the
     optimum. Beyond that (long stacks) each stage time costs a plan, so only a few cuts are
     tried: the equal one (Megatron's rule) and, given ``per_rank`` (the layers each rank holds
     in the best plain 1F1B cut: what its speed and memory carry), each rank's layers split
@@ -195,7 +219,7 @@ def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batch
     for cuts in dict.fromkeys(tuple(c) for c in candidates):
         bounds = [0, *cuts, num_layers]
         times = [stage_time(bounds[g], bounds[g + 1], g) for g in range(chunks)]
-        total = interleaved_step_time(times, ranks, micro_batches)
+        total = step(times, ranks, micro_batches)
         if math.isfinite(total) and (best is None or total < best.step_s * (1 - 1e-12)):
             best = PipelineSolution(tuple(cuts), tuple(t.total_s for t in times), total)
     return best

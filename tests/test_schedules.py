@@ -14,7 +14,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _Com
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.solvers.pipeline import (StageTime, interleaved_order, interleaved_step_time, partition_interleaved,
-                                      step_time)
+                                      step_time, zero_bubble_step_time)
 from autopar.timeline import schedule_spans
 from distributed import run_world
 from pipeline_equivalence import check_pipeline
@@ -42,9 +42,11 @@ def test_the_simulated_order_is_torchs_interleaved_1f1b():
 
 
 def test_interleaved_time_shrinks_the_bubble_and_is_1f1b_with_one_chunk():
-    chunk = StageTime(1.0)
+    chunk = StageTime(3.0, deferrable_s=1.0)  # F = B = W = 1
     for p, v, m in itertools.product((2, 4), (1, 2, 4), (4, 8)):
-        assert interleaved_step_time([chunk] * (p * v), p, m) == pytest.approx((m * v + p - 1) * 1.0)
+        assert interleaved_step_time([chunk] * (p * v), p, m) == pytest.approx((m * v + p - 1) * 3.0)
+        # zero bubble: the weight gradients fill the bubble, (p − 1)(F + B − W) is left
+        assert zero_bubble_step_time([chunk] * (p * v), p, m) == pytest.approx(m * v * 3.0 + (p - 1) * 1.0)
     rng = random.Random(0)
     for _ in range(50):
         p, m = rng.randint(1, 4), rng.randint(1, 9)
@@ -52,17 +54,19 @@ def test_interleaved_time_shrinks_the_bubble_and_is_1f1b_with_one_chunk():
         assert interleaved_step_time(stages, p, m) == pytest.approx(step_time(stages, m, in_flight=p))
 
 
-def test_interleaved_cut_equals_brute_force_on_random_costs():
+@pytest.mark.parametrize("step", [interleaved_step_time, zero_bubble_step_time])
+def test_interleaved_cut_equals_brute_force_on_random_costs(step):
     rng = random.Random(1)
     for _ in range(40):
         ranks, virtual, m = rng.randint(1, 3), rng.randint(2, 3), rng.choice([2, 4, 6])
         layers = rng.randint(ranks * virtual, ranks * virtual + 3)
         chunks = ranks * virtual
         table = {(i, j, g): StageTime(*((float("inf"), None) if rng.random() < 0.1 else
-                                        (rng.uniform(1, 3), rng.choice([None, rng.uniform(0.1, 1)]))))
+                                        (rng.uniform(1, 3), rng.choice([None, rng.uniform(0.1, 1)]),
+                                         rng.uniform(0, 0.3))))
                  for i in range(layers) for j in range(i + 1, layers + 1) for g in range(chunks)}
-        found = partition_interleaved(layers, ranks, virtual, m, lambda i, j, g: table[(i, j, g)])
-        best = min((interleaved_step_time([table[(b[g], b[g + 1], g)] for g in range(chunks)], ranks, m)
+        found = partition_interleaved(layers, ranks, virtual, m, lambda i, j, g: table[(i, j, g)], step=step)
+        best = min((step([table[(b[g], b[g + 1], g)] for g in range(chunks)], ranks, m)
                     for cuts in itertools.combinations(range(1, layers), chunks - 1)
                     for b in [(0, *cuts, layers)]), default=float("inf"))
         if best == float("inf"):
@@ -81,7 +85,7 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
     tokens = torch.randint(0, 64, (8, 16))
     plan = autopar.plan(model, (tokens,), cluster="2x1xcpu", pipeline=True, schedule="auto")
     tried = plan.solver["micro_batch_candidates"]
-    assert {t["schedule"] for t in tried} == {"1F1B", "Interleaved1F1B"}
+    assert {t["schedule"] for t in tried} == {"1F1B", "Interleaved1F1B", "InterleavedZeroBubble"}
     assert plan.predicted_step_s == pytest.approx(min(t["predicted_step_s"] for t in tried if t["cuts"]))
     interleaved = autopar.plan(model, (tokens,), cluster="2x1xcpu", pipeline=True, schedule="Interleaved1F1B",
                                micro_batches=4)
@@ -106,17 +110,18 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
 
 @pytest.mark.distributed
 def test_interleaved_and_three_stage_pipelines_train_like_one_process():
-    """Interleaved 1F1B on 2 ranks (2 chunks each) and on 4 (2 stages × 2 devices, 2 chunks
-    each, boundaries sliced by lane), and 1F1B over 3 stages: loss, gradients (every step),
-    parameters after SGD steps and evaluation outputs match the single-process model."""
-    cases = [(2, "2x1xcpu", 2, 3, 4, 8, "Interleaved1F1B"), (4, "2x2xcpu", 2, 2, 4, 8, "Interleaved1F1B"),
-             (3, "3x1xcpu", 3, 2, 6, 6, "1F1B")]
+    """Interleaved zero bubble on 2 ranks (2 chunks each, 4 micro-batches); interleaved 1F1B
+    and zero bubble on 4 (2 stages × 2 devices, 2 chunks each, boundaries sliced by lane, the
+    stages' weights split over their 2 devices); 1F1B over 3 stages: loss, gradients (every
+    step), parameters after SGD steps and evaluation outputs match the single-process model."""
+    cases = [(2, "2x1xcpu", 4, 3, 4, 8, "InterleavedZeroBubble"), (4, "2x2xcpu", 2, 2, 4, 8, "Interleaved1F1B"),
+             (4, "2x2xcpu", 2, 2, 4, 8, "InterleavedZeroBubble"), (3, "3x1xcpu", 3, 2, 6, 6, "1F1B")]
     for world, *case in cases:
         result = run_world(world, check_pipeline, *case)
         assert result["all_params_covered"], result
         assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
         assert result["output"] < 2e-6, result
-        if case[-1] == "Interleaved1F1B":
+        if case[-1] != "1F1B":
             assert result["stages"] == [["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"]], result
             assert result["sliced"] == (world == 4), result
         else:

@@ -12,6 +12,7 @@ costed on every mesh first: they are the plan's baselines and the solver's warm 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -20,7 +21,7 @@ from typing import NamedTuple
 
 from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
-from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh
+from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh, three_dim_refinements
 from autopar.placements import format_spec, is_replicated
 from autopar.plan import MemoryBreakdown, NodePlan, ParameterPlan, Plan
 from autopar.planning.costing import plan_choice
@@ -137,7 +138,8 @@ class MeshSearch:
         if annotate:
             annotate_costs(captured.graph)
             annotate_saved(captured.graph)
-        meshes = [checked_mesh(cluster, options.mesh_shape)] if options.mesh_shape else candidate_meshes(cluster)
+        meshes = [checked_mesh(cluster, options.mesh_shape)] if options.mesh_shape else \
+            [mesh for mesh in candidate_meshes(cluster) if len(mesh.shape) <= options.mesh_dims]
         self.engine = get_solver(options.solver, time_limit_s=options.time_limit_s)
         self.repeated = find_repeated_layers(captured) if options.cluster_layers else {}
         self.repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
@@ -205,7 +207,7 @@ class MeshSearch:
         best: _Incumbent | None = None
         candidates: dict[int, dict] = {}
         least_memory_bytes = []  # per infeasible mesh: the least any placement needs
-        for bound, order, mesh, problem, index in self.prepared:
+        for bound, order, mesh, problem, index in itertools.chain(self.prepared, self._refinements(lambda: best)):
             if configuration is not None:
                 rule = self._rules(mesh).get(configuration)
                 pinned = baseline_problem(self.captured, problem, index, configuration, rule) if rule else None
@@ -220,7 +222,7 @@ class MeshSearch:
                                      "bound_s": _finite(bound)}
                 continue
             log.info("mesh %s: solving (%d nodes, %d edges)", list(mesh.shape), problem.num_nodes, len(problem.edges))
-            solution, problem, excess, spread_s = self._solve(mesh, problem, index, hints[order])
+            solution, problem, excess, spread_s = self._solve(mesh, problem, index, hints.get(order))
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
                                  "predicted_step_s": solution.objective_s + spread_s if solution.choice else None,
                                  "bound_s": _finite(solution.bound_s)}
@@ -246,6 +248,22 @@ class MeshSearch:
                                  "solve_total_s": plan_s - self.prepare_s})
         log.info("plan: mesh %s, predicted step %.3g s, %s", mesh.shape, plan.predicted_step_s, solution.status)
         return plan
+
+    def _refinements(self, incumbent: Callable[[], "_Incumbent | None"]):
+        """3-D meshes refining the best 2-D one found (autopar.mesh.three_dim_refinements), as
+        (bound, order, mesh, problem, index), each built only when the search reaches it — after
+        every prepared mesh, so ``incumbent()`` is the best of those. Only with
+        ``options.mesh_dims=3``: none for a pinned mesh or configuration (a 2-D rule), or when no
+        2-D mesh won. Each costs a problem on a bigger mesh (about 2.5 s each on this machine
+        for the Llama-3-8B shape on 8×8 H100, both pruned by bound there), so 2-D is the default."""
+        best = incumbent()
+        if self.options.mesh_dims < 3 or self.options.mesh_shape or self.options.configuration or best is None \
+                or len(best.mesh.shape) != 2:
+            return
+        for order, mesh in enumerate(three_dim_refinements(self.cluster, best.mesh.shape), start=len(self.prepared)):
+            annotate_strategies(self.captured, mesh.shape, skip=self.repeated)
+            problem, index = self._problem(mesh)
+            yield self.engine.lower_bound(problem), order, mesh, problem, index
 
     def _solve(self, mesh: MeshSpec, problem: ShardingProblem, index: ProblemIndex, hint: list[int] | None
                ) -> tuple[Solution, ShardingProblem, int, float]:

@@ -8,7 +8,7 @@ replicas their batch split); nothing is threaded through keyword arguments any m
 >>> PlanOptions(schedule="zigzag")
 Traceback (most recent call last):
 ...
-autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of auto, 1F1B, GPipe, Interleaved1F1B
+autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of auto, 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from autopar.plan_types import PIPELINE_SCHEDULES
 from autopar.passes.build_problem import OPTIMIZER_STATES
 from autopar.solvers.baselines import BASELINES, BASELINES_2D
 
-SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or interleaved 1F1B, the faster
+SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or an interleaved schedule, the fastest
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0  # a solver budget beyond a week is a typo (OR-Tools holds it in int64 ms)
 RECOMPUTE = ("auto", "none", "selective", "full")
 # hand-written configurations a person would write: costed beside every plan
@@ -39,6 +39,9 @@ class PlanOptions:
     solver: str = "cpsat"
     time_limit_s: float = 60.0
     mesh_shape: tuple[int, ...] | None = None
+    # the most dims a searched mesh has: 1, 2 (the default: 1-D and 2-D meshes), or 3 (also
+    # DP × (FSDP × TP) refinements of the best 2-D mesh; autopar.mesh.three_dim_refinements)
+    mesh_dims: int = 2
     cluster_layers: bool = True
     pipeline: bool | None = None
     micro_batches: int | None = None
@@ -113,6 +116,9 @@ class PlanOptions:
                 raise AutoparError(ErrorKind.BAD_INPUT, f"{name} must be a tuple of whole numbers of 1 or more, e.g. "
                                    f"{example}; got {value!r}")
             object.__setattr__(self, name, tuple(value))  # a list works too; the options stay hashable
+        if self.mesh_dims not in (1, 2, 3) or isinstance(self.mesh_dims, bool):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"mesh_dims must be 1, 2 or 3 (the most dims a searched mesh "
+                               f"has), got {self.mesh_dims!r}")
         if self.mesh_shape is not None and math.prod(self.mesh_shape) > MAX_DEVICES:
             raise AutoparError(ErrorKind.BAD_INPUT, f"mesh_shape {self.mesh_shape} spans more than {MAX_DEVICES:,} "
                                "devices")

@@ -39,7 +39,8 @@ from autopar.passes.memory import annotate_saved
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 from autopar.solvers.pipeline import (PipelineSolution, StageTime, bubble, interleaved_bubble, interleaved_step_time,
-                                      interleaved_warmup, partition, partition_interleaved, step_time)
+                                      interleaved_warmup, partition, partition_interleaved, step_time,
+                                      zero_bubble_step_time)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,10 @@ class Layout:
     virtual: int = 1
 
     @property
+    def zero_bubble(self) -> bool:
+        """Weight gradients deferred into the bubbles (the backward split in two)."""
+        return self.schedule in ZERO_BUBBLE
+    @property
     def chunks(self) -> int:
         return self.ranks * self.virtual
 
@@ -83,12 +88,14 @@ class Layout:
     def in_flight(self, g: int, micro_batches: int) -> int:
         """Micro-batches whose activations chunk ``g`` holds at once: every one under GPipe;
         under 1F1B the stages from it to the last; under interleaved 1F1B its rank's warm-up
-        forwards and one more (torch's ScheduleInterleaved1F1B), shared by the rank's chunks."""
+        forwards and one more (torch's ScheduleInterleaved1F1B; the zero-bubble schedule warms up
+        less), shared by the rank's chunks."""
         if self.schedule == "GPipe":
             return micro_batches
         if self.virtual == 1:
             return min(self.ranks - g, micro_batches)
-        warmup = interleaved_warmup(self.group_of(g), self.ranks, self.virtual, micro_batches)
+        warmup = interleaved_warmup(self.group_of(g), self.ranks, self.virtual, micro_batches,
+                                    per_hop=1 if self.zero_bubble else 2)
         return min(micro_batches, -(-(warmup + 1) // self.virtual))
 
     def memory_share(self) -> int:
@@ -102,39 +109,49 @@ class Layout:
         if self.virtual > 1:
             sizes = None if plain is None else \
                 [b - a for a, b in zip((0, *plain.cuts), (*plain.cuts, num_layers))]
-            return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes)
+            return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes,
+                                         step=self._interleaved_step)
         # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
         return partition(num_layers, self.ranks, micro_batches, timer,
                          in_flight=self.ranks if self.schedule == "1F1B" else None)
 
+    @property
+    def _interleaved_step(self):
+        return zero_bubble_step_time if self.zero_bubble else interleaved_step_time
+
     def step_s(self, times: list[StageTime], micro_batches: int) -> float:
         if self.virtual > 1:
-            return interleaved_step_time(times, self.ranks, micro_batches)
+            return self._interleaved_step(times, self.ranks, micro_batches)
         return step_time(times, micro_batches, in_flight=self.ranks if self.schedule == "1F1B" else None)
 
     def bubble(self, micro_batches: int) -> float:
+        if self.zero_bubble:  # a third of each chunk's time (its weight gradients) fills the bubble
+            return (self.ranks - 1) / (3 * micro_batches * self.virtual + self.ranks - 1)
         if self.virtual > 1:
             return interleaved_bubble(self.ranks, self.virtual, micro_batches)
         return bubble(self.ranks, micro_batches)
 
 
-# virtual stages per group interleaved 1F1B tries (torchtitan and Megatron use a few per rank)
+# virtual stages per group interleaved schedules try (torchtitan and Megatron use a few per rank)
 VIRTUAL_STAGES = (2, 4)
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # schedules with chunks of layers per group
+ZERO_BUBBLE = ("InterleavedZeroBubble",)  # schedules that split the backward and defer weight gradients
 
 
 def schedule_layouts(schedule: str, ranks: int, layers: int, micro_batches: int) -> list[Layout]:
-    """The layouts the search tries for ``schedule`` ("auto": 1F1B and interleaved 1F1B):
-    interleaved ones need a layer per chunk and, as torch's ScheduleInterleaved1F1B, a whole
-    number of micro-batches per round (``m`` divisible by ``max(1, m // ranks)``)."""
+    """The layouts the search tries for ``schedule`` ("auto": 1F1B, interleaved 1F1B and
+    interleaved zero bubble): interleaved ones need a layer per chunk and, as torch's
+    interleaved schedules, a whole number of micro-batches per round (``m`` divisible by
+    ``max(1, m // ranks)``)."""
     plain = [Layout(schedule, ranks)] if schedule in ("1F1B", "GPipe") else [Layout("1F1B", ranks)] \
         if schedule == "auto" else []
-    if schedule not in ("auto", "Interleaved1F1B"):
+    if schedule not in ("auto", *INTERLEAVED):
         return plain
     rounds = max(1, micro_batches // ranks)
-    interleaved = [Layout("Interleaved1F1B", ranks, v) for v in VIRTUAL_STAGES
-                   if ranks * v <= layers and micro_batches % rounds == 0]
-    if schedule == "Interleaved1F1B" and not interleaved:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"interleaved 1F1B puts {VIRTUAL_STAGES[0]} or more chunks of layers on "
+    interleaved = [Layout(name, ranks, v) for name in (INTERLEAVED if schedule == "auto" else (schedule,))
+                   for v in VIRTUAL_STAGES if ranks * v <= layers and micro_batches % rounds == 0]
+    if schedule != "auto" and not interleaved:
+        raise AutoparError(ErrorKind.BAD_INPUT, f"{schedule} puts {VIRTUAL_STAGES[0]} or more chunks of layers on "
                            f"each of the {ranks} stages' devices: the model's {layers} layers are too few; use "
                            "schedule='1F1B'")
     return plain + interleaved
@@ -339,8 +356,11 @@ class _StageCosts:
         if key not in self._memo:
             try:
                 plan, (busy_s, latency_s) = self.stage(i, j, g, layout)
+                # weight gradients: a third of the compute (each matmul's as costly as its forward
+                # and its input gradient); zero-bubble schedules defer them into the bubbles
                 self._memo[key] = (StageTime(plan.predicted_step_s + busy_s + latency_s,
-                                             max(plan.predicted_step_s, busy_s)), (i, j, g), (plan, (busy_s, latency_s)))
+                                             max(plan.predicted_step_s, busy_s), plan.predicted_compute_s / 3),
+                                   (i, j, g), (plan, (busy_s, latency_s)))
             except AutoparError as exc:
                 if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
                     raise

@@ -12,8 +12,8 @@ import logging
 import os
 import sys
 
-from autopar.cli_args import (HintingParser, attach_dash_values, batch_sizes, memory_bytes, rows_per_region,
-                              subparsers, value_options)
+from autopar.cli_args import (HintingParser, attach_dash_values, batch_sizes, memory_bytes, mesh_shape,
+                              rows_per_region, subparsers, value_options)
 from autopar.errors import AutoparError, ErrorKind, first_line
 from autopar.model_files import UsageError, load_model
 from autopar.plan_types import PIPELINE_SCHEDULES
@@ -163,7 +163,8 @@ def _plan_for_cli(autopar, args, model, inputs):
     logging.getLogger("autopar").info("capturing and planning %s", type(model).__name__)
     return autopar.plan(model, inputs, cluster=args.cluster, memory_limit=args.memory_limit,
                         time_limit_s=args.time_limit, solver=args.solver, optimizer=args.optimizer,
-                        mesh_dims=args.mesh_dims, pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
+                        mesh_shape=args.mesh_shape, mesh_dims=args.mesh_dims,
+                        pipeline={"auto": None, "on": True, "off": False}[args.pipeline],
                         micro_batches=args.micro_batches, schedule=args.schedule,
                         replicas={"auto": None, "on": True, "off": False}[args.replicas],
                         batch_split=args.batch_split,
@@ -347,13 +348,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
+    p.add_argument("--mesh-shape", type=mesh_shape, metavar="N,N[,N]",
+                   help="pin the device mesh, outer dim first, e.g. 2,8 or 2,4,8 (default: searched)")
     p.add_argument("--mesh-dims", type=int, choices=(1, 2, 3), default=2,
                    help="the most dims a searched mesh has (3: also DP x (FSDP x TP) meshes over host groups)")
     p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
                    help="pipeline stages over the cluster's regions: auto keeps the faster of staged and one mesh")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: searched)")
     p.add_argument("--schedule", choices=("auto", *PIPELINE_SCHEDULES), default="auto",
-                   help="pipeline schedule; auto: 1F1B or an interleaved one (2 or 4 chunks of layers per stage), the fastest")
+                   help="pipeline schedule; auto: 1F1B or an interleaved one (2 or 4 chunks of layers per stage), "
+                        "the fastest")
     p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
                    help="data-parallel replicas on the cluster's regions, the batch split by their speed")
     p.add_argument("--batch-split", type=rows_per_region, metavar="N,N,...",

@@ -33,12 +33,17 @@ def memory_bytes(text: str) -> float:
     return float(match.group(1)) * _BYTE_UNITS[unit]
 
 
+def _whole_numbers(text: str, what: str, example: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers, or a usage error naming ``what`` it should be."""
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {what}, e.g. {example}")
+
+
 def batch_sizes(text: str) -> list[int]:
     """``--batch-size 8,16,32``."""
-    try:
-        sizes = [int(b) for b in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of batch sizes, e.g. 8,16,32")
+    sizes = list(_whole_numbers(text, "batch sizes", "8,16,32"))
     if any(b < 1 for b in sizes):
         raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
     return sizes
@@ -47,14 +52,19 @@ def batch_sizes(text: str) -> list[int]:
 def rows_per_region(text: str) -> tuple[int, ...]:
     """``--batch-split 6,2``: rows of the batch per region (their count and sum are checked
     against the cluster and the batch by the planner)."""
-    try:
-        rows = tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of row counts, one per region, "
-                                         "e.g. 6,2")
+    rows = _whole_numbers(text, "row counts, one per region,", "6,2")
     if any(b < 1 for b in rows):
         raise argparse.ArgumentTypeError(f"every region needs at least one row, got {text!r}")
     return rows
+
+
+def mesh_shape(text: str) -> tuple[int, ...]:
+    """``--mesh-shape 2,4,8``: the device mesh, outer dim first (its product is checked against
+    the cluster by the planner)."""
+    shape = _whole_numbers(text, "mesh dims", "2,8 or 2,4,8")
+    if any(d < 1 for d in shape) or len(shape) > 3:
+        raise argparse.ArgumentTypeError(f"a mesh has 1 to 3 dims of 1 or more devices each, got {text!r}")
+    return shape
 
 
 def attach_dash_values(argv: list[str], value_options: set[str]) -> list[str]:

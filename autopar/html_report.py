@@ -81,27 +81,31 @@ def _ranks_label(ranks) -> str:
 
 
 def _schedule_svg(plan: Plan, width: int = 760, row: int = 24) -> str:
-    """Micro-batches per stage over one step: forward blue, backward orange, labelled by index."""
+    """Micro-batches per stage over one step: forward blue, backward orange, deferred weight
+    gradients (zero bubble) green, labelled by index."""
     spans = schedule_spans(plan)
     total = max((end for r in spans for _, end, _, _ in r), default=0.0) or 1.0
     left = 110
     shapes = []
     for s, (stage, stage_spans) in enumerate(zip(plan.stages, spans)):
         y = s * row
-        shapes.append(f'<text x="0" y="{y + 16}" font-size="12">stage {s} {html.escape(stage.group)}</text>')
+        label = "group" if plan.virtual_stages > 1 else "stage"  # interleaved: a row per device group
+        shapes.append(f'<text x="0" y="{y + 16}" font-size="12">{label} {s} {html.escape(stage.group)}</text>')
         for start, end, kind, i in stage_spans:
             x, w = left + (width - left) * start / total, max(1.0, (width - left) * (end - start) / total)
-            color = "#2f80ed" if kind == "F" else "#f2994a"
-            what = "forward" if kind == "F" else "backward"
+            color = {"F": "#2f80ed", "B": "#f2994a", "W": "#27ae60"}[kind]
+            what = {"F": "forward", "B": "backward", "W": "weight gradients"}[kind]
             shapes.append(f'<rect class="mb" x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 4}" fill="{color}" '
-                          f'stroke="#fff"><title>stage {s}: {what} of micro-batch {i}, '
+                          f'stroke="#fff"><title>{label} {s}: {what} of micro-batch {i}, '
                           f'{format_seconds(start)}–{format_seconds(end)}</title></rect>')
             if w > 14:
                 shapes.append(f'<text x="{x + w / 2:.1f}" y="{y + 16}" font-size="11" fill="#fff" '
                               f'text-anchor="middle">{i}</text>')
+    weights = "<span style='background:#27ae60'></span>weight gradients" \
+        if any(kind == "W" for row_spans in spans for *_, kind, _ in row_spans) else ""
     return (f'<svg width="{width}" height="{row * len(spans)}" role="img">{"".join(shapes)}</svg>'
             f"<p class='legend'><span style='background:#2f80ed'></span>forward<span style='background:#f2994a'>"
-            f"</span>backward (micro-batch index). {html.escape(simulated_step_line(plan))}</p>")
+            f"</span>backward{weights} (micro-batch index). {html.escape(simulated_step_line(plan))}</p>")
 
 
 def render(plan: Plan) -> str:

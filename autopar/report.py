@@ -46,8 +46,9 @@ def summary(plan: Plan) -> str:
     console.print(f"imbalance (max/mean over devices): busy time {spread['time']:.2f}, memory {spread['memory']:.2f}")
     if plan.stages:
         console.print(stages_table(plan))
+        weights = ", capitals: its weight gradients (A = 0)" if plan.schedule == "InterleavedZeroBubble" else ""
         console.print(f"{plan.schedule} timeline, one step ({plan.micro_batches} micro-batches; digits: forward of "
-                      "that micro-batch, letters: backward (a = 0), '*' several in one cell, '.' idle)")
+                      f"that micro-batch, letters: backward (a = 0){weights}, '*' several in one cell, '.' idle)")
         console.print(simulated_step_line(plan))
         for line in pipeline_timeline(plan):
             console.print(line, markup=False, highlight=False)

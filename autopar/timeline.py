@@ -12,28 +12,30 @@ from autopar.units import format_seconds
 
 
 def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
-    """Per device group (a row per stage; under interleaved 1F1B a row per group, which runs
-    its chunks in turn), the (start, end, "F"/"B", micro-batch) of every forward and backward
-    in one step, simulated from the predicted stage and send times (backward = 2× forward).
+    """Per device group (a row per stage; under an interleaved schedule a row per group,
+    which runs its chunks in turn), the (start, end, "F"/"B"/"W", micro-batch) of every
+    forward, backward and (zero bubble) weight-gradient pass in one step, simulated from the
+    predicted stage and send times (backward = 2× forward).
 
     1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
     backward, then drains; GPipe: all forwards, then all backwards; interleaved 1F1B: torch's
-    order (solvers.pipeline.interleaved_order); interleaved zero bubble: the same skeleton with
-    its shorter warm-up, each backward drawn whole (the schedule itself runs weight gradients
-    later, in what this draws as idle, so its step is shorter than the drawing).
+    order (solvers.pipeline.interleaved_order); interleaved zero bubble: the same skeleton
+    with its shorter warm-up, each backward split into the input gradients ("B", half of it,
+    what the previous stage waits for) and the weight gradients ("W", the other half), which
+    run in the first idle time after their "B" that holds them, else at the end.
     """
     chunks, m, v = len(plan.stages), plan.micro_batches, plan.virtual_stages
     p = chunks // v
+    zero_bubble = plan.schedule == "InterleavedZeroBubble"
     fwd = [st.compute_s / 3 for st in plan.stages]
-    bwd = [2 * st.compute_s / 3 for st in plan.stages]
+    bwd = [(1 if zero_bubble else 2) * st.compute_s / 3 for st in plan.stages]  # zero bubble: input gradients
     send = [st.send_s / 2 for st in plan.stages]  # one way
-    # zero bubble: torch's F/B skeleton (shorter warm-up), each backward drawn with its weight
-    # gradients, which the real schedule moves into the idle cells
-    per_hop = 1 if plan.schedule == "InterleavedZeroBubble" else 2
+    per_hop = 1 if zero_bubble else 2
     orders = [interleaved_order(r, p, v, m, per_hop) if v > 1 else _one_chunk_order(plan.schedule, r, p, m)
               for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     spans: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]
+    deferred: list[list[tuple[float, float, int]]] = [[] for _ in range(p)]  # weight gradients: (ready, time, mb)
     clock, position = [0.0] * p, [0] * p
     while any(position[r] < len(orders[r]) for r in range(p)):
         progressed = False
@@ -51,11 +53,34 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
             end = start + (fwd[g] if kind == "F" else bwd[g])
             done[(kind, g, i)] = clock[r] = end
             spans[r].append((start, end, kind, i))
+            if zero_bubble and kind == "B":
+                deferred[r].append((end, plan.stages[g].compute_s / 3, i))
             position[r] += 1
             progressed = True
         if not progressed:  # cannot happen for these schedules; guard against an endless loop
             break
-    return spans
+    return [_with_weight_gradients(row, weights) for row, weights in zip(spans, deferred)]
+
+
+def _with_weight_gradients(row: list[tuple[float, float, str, int]], weights: list[tuple[float, float, int]]
+                           ) -> list[tuple[float, float, str, int]]:
+    """``row`` with each deferred weight-gradient pass (ready time, duration, micro-batch) in
+    the first idle gap after it is ready that holds it, else after everything else."""
+    gaps = [[a[1], b[0]] for a, b in zip(row, row[1:]) if b[0] > a[1]]
+    tail = row[-1][1] if row else 0.0
+    placed = []
+    for ready, length, i in weights:
+        gap = next((gap for gap in gaps if max(gap[0], ready) + length <= gap[1] + 1e-15), None)
+        if gap is None:
+            start = max(tail, ready)
+            tail = start + length
+        else:
+            start = max(gap[0], ready)
+            gaps.remove(gap)
+            gaps += [piece for piece in ([gap[0], start], [start + length, gap[1]]) if piece[1] > piece[0]]
+            gaps.sort()
+        placed.append((start, start + length, "W", i))
+    return sorted(row + placed)
 
 
 def _one_chunk_order(schedule: str | None, s: int, p: int, m: int) -> list[tuple[str, int, int]]:
@@ -87,15 +112,16 @@ def simulated_step_line(plan: Plan) -> str:
 
 
 def pipeline_timeline(plan: Plan, width: int = 72) -> list[str]:
-    """One text row per stage: which micro-batch's forward (digit) or backward (letter, a = 0)
-    runs when (:func:`schedule_spans`); '*' where several share one cell, '.' is idle."""
+    """One text row per stage: which micro-batch's forward (digit), backward (letter, a = 0)
+    or deferred weight gradients (capital letter) runs when (:func:`schedule_spans`); '*'
+    where several share one cell, '.' is idle."""
     spans = schedule_spans(plan)
     total = max((end for row in spans for _, end, _, _ in row), default=0.0) or 1.0
     rows = []
     for s, st in enumerate(plan.stages[:len(spans)]):  # interleaved: a row per group, its chunks in turn
         cells = ["."] * width
         for start, end, kind, i in spans[s]:
-            mark = str(i % 10) if kind == "F" else chr(ord("a") + i % 26)
+            mark = str(i % 10) if kind == "F" else chr(ord("a" if kind == "B" else "A") + i % 26)
             first = min(int(start / total * width), width - 1)
             for c in range(first, max(first + 1, min(int(end / total * width), width))):
                 cells[c] = mark if cells[c] in (".", mark) else "*"

@@ -88,7 +88,7 @@ def _pipeline_events(plan: Plan) -> list[dict]:
     for s, (stage, spans) in enumerate(zip(plan.stages, schedule_spans(plan))):
         events += _names(s, f"stage {s}: {stage.group} ({len(stage.ranks)} devices)", ("compute",))
         for start, end, kind, micro_batch in spans:
-            name = f"{'forward' if kind == 'F' else 'backward'} micro-batch {micro_batch}"
+            name = f"{ {'F': 'forward', 'B': 'backward', 'W': 'weight gradients'}[kind]} micro-batch {micro_batch}"
             events.append(_span(name, start, end - start, s, 0, {"micro_batch": micro_batch}))
     return events
 

@@ -132,14 +132,20 @@ def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
     interleaved 1F1B the bubble loses ``2·W`` per rank it crosses — ``(p − 1)(F + B − W)``
     instead of ``(p − 1)(F + B + W)`` in the paper's terms:
 
-        T = T_interleaved − 2 (p − 1)/p · Σ_{g < p} W_g,   at least m · P (the busiest rank's work)
+        T = T_interleaved − 2 (p − 1)/p · Σ_{g < p} W_g,
+            at least max_r (Σ_{g < r} F_g + m · Σ_{g ≡ r} pace_g)
+
+    — no rank finishes before the first micro-batch's forwards reach it (``F`` = ``W``: a
+    matmul's forward costs as much as its weight gradient) and it has done all its work: where
+    one rank is much busier than the others there is no bubble on it for ``W`` to fill.
     """
     interleaved = interleaved_step_time(chunks, ranks, micro_batches)
     if math.isinf(interleaved):
         return math.inf
-    per_rank = max(sum(st.pace for st in chunks[r::ranks]) for r in range(ranks))
     hidden = 2 * (ranks - 1) / ranks * sum(st.deferrable_s for st in chunks[:ranks])
-    return max(interleaved - hidden, micro_batches * per_rank)
+    floor = max(sum(st.deferrable_s for st in chunks[:r]) + micro_batches * sum(st.pace for st in chunks[r::ranks])
+                for r in range(ranks))
+    return max(interleaved - hidden, floor)
 
 
 def interleaved_bubble(ranks: int, virtual: int, micro_batches: int) -> float:

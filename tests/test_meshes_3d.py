@@ -94,3 +94,21 @@ def test_a_3d_mesh_plan_trains_like_one_process_on_eight_ranks():
     (errors,) = run_world(8, run_cases, [case])
     assert max(errors[k] for k in ("output", "loss", "grad", "param", "param_flat")) < 1e-10, errors
     assert any("Shard" in p for p in errors["placements"]), errors  # sharded, not a replicated plan
+
+
+def test_the_cli_pins_a_3d_mesh_and_refuses_malformed_ones(capsys):
+    import json
+
+    from autopar import cli
+
+    assert cli.main(["plan", "models:tiny_gpt", "--cluster", "2x4xH100", "--mesh-shape", "2,2,2", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["mesh"]["default"] == [2, 2, 2] and len(shown["mesh_dim_roles"]) == 3
+    for bad, said in (("2,x", "comma-separated list of mesh dims"), ("0,8", "1 to 3 dims"),
+                      ("2,2,2,1", "1 to 3 dims"), ("3,3", "mesh_shape (3, 3) has 9 devices")):
+        try:
+            code = cli.main(["plan", "models:tiny_gpt", "--cluster", "2x4xH100", "--mesh-shape", bad])
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code
+        assert code in (1, 2), (bad, code)
+        assert said in capsys.readouterr().err, bad

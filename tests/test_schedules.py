@@ -97,6 +97,14 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
     assert len(spans) == 2 and all(len(row) == 2 * 4 * 2 for row in spans)
     for row in spans:  # a group runs one chunk at a time
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(row, row[1:]))
+    zero_bubble = autopar.plan(model, (tokens,), cluster="2x1xcpu", pipeline=True, schedule="InterleavedZeroBubble",
+                               micro_batches=4)
+    assert zero_bubble.bubble == pytest.approx(1 / (3 * 4 * 2 + 1))
+    for row in schedule_spans(zero_bubble):  # forward, input gradients, then weight gradients in idle time
+        assert [kind for *_, kind, _ in row].count("W") == 4 * 2 and len(row) == 3 * 4 * 2
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(row, row[1:]))
+        first_b = min(start for start, _, kind, _ in row if kind == "B")
+        assert all(start >= first_b for start, _, kind, _ in row if kind == "W")
     again = Plan.from_json(interleaved.to_json())
     assert again == interleaved and again.virtual_stages == 2
     with pytest.raises(AutoparError, match="virtual_stages"):

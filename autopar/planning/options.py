@@ -147,16 +147,20 @@ class PlanOptions:
             recorded["bucket_cap_mb"] = self.bucket_cap_mb
         if self.prefetch_layers != PlanOptions.prefetch_layers:
             recorded["prefetch_layers"] = self.prefetch_layers
+        if self.mesh_dims != PlanOptions.mesh_dims:  # a re-plan searches as many mesh dims
+            recorded["mesh_dims"] = self.mesh_dims
         return recorded
 
     @classmethod
     def of_plan(cls, plan, **overrides) -> "PlanOptions":
         """The options ``plan`` was made with, as far as it records them (optimizer, precision,
-        overlap knobs: what re-costing or re-planning it needs), and ``overrides``."""
+        overlap knobs, searched mesh dims: what re-costing or re-planning it needs), and
+        ``overrides``."""
         recorded = {"optimizer": plan.options.get("optimizer", cls.optimizer),
                     "overlap": plan.options.get("overlap", True),
                     "mixed_precision": Precision.from_plan(plan.options.get("mixed_precision")),
-                    **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers") if k in plan.options}}
+                    **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers", "mesh_dims")
+                       if k in plan.options}}
         return cls(**{**recorded, **overrides})
 
     def problem_overlap(self, device) -> dict[str, Any]:

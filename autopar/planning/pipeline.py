@@ -435,7 +435,8 @@ class _StageCosts:
         worst = ("", 0)
         for k, layer in enumerate(self.layers):
             try:
-                make_plan(self._piece(k, k + 1, min(k, 1)), roomiest.cluster, self.options, baselines=False, annotate=False)
+                make_plan(self._piece(k, k + 1, min(k, 1)), roomiest.cluster, self.options, baselines=False,
+                          annotate=False)
             except AutoparError as exc:
                 if exc.kind is ErrorKind.INFEASIBLE_MEMORY and (exc.needed_bytes or 0) > worst[1]:
                     worst = (layer, exc.needed_bytes)

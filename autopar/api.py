@@ -37,8 +37,9 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     over the groups and data-parallel replicas on the groups (the batch split by their speed),
     and keeps the fastest; ``pipeline=True`` or ``replicas=True`` forces one of them, ``False``
     rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``schedule`` its
-    schedule ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble"; "auto" tries 1F1B
-    and both interleaved ones with 2 or 4 chunks of layers per stage, and keeps the fastest),
+    schedule ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble" — the interleaved ones
+    with 2 or 4 chunks of layers per stage; "auto" tries 1F1B and interleaved zero bubble with
+    2, and keeps the faster),
     ``batch_split`` the
     replicas' rows per group. ``configuration="ddp"`` (or fsdp, megatron_tp, tp_dp) returns
     that hand-written configuration, costed and lowerable like any plan.

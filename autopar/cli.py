@@ -356,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages over the cluster's regions: auto keeps the faster of staged and one mesh")
     p.add_argument("--micro-batches", type=int, help="pipeline micro-batches per step (default: searched)")
     p.add_argument("--schedule", choices=("auto", *PIPELINE_SCHEDULES), default="auto",
-                   help="pipeline schedule; auto: 1F1B or an interleaved one (2 or 4 chunks of layers per stage), "
-                        "the fastest")
+                   help="pipeline schedule; auto: 1F1B or interleaved zero bubble (2 chunks of layers per stage), "
+                        "the faster")
     p.add_argument("--replicas", choices=("auto", "on", "off"), default="auto",
                    help="data-parallel replicas on the cluster's regions, the batch split by their speed")
     p.add_argument("--batch-split", type=rows_per_region, metavar="N,N,...",

@@ -201,20 +201,22 @@ def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int,
 def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batches: int,
                           stage_time: Callable[[int, int, int], StageTime],
                           per_rank: list[int] | None = None,
-                          step: Callable[[list[StageTime], int, int], float] = interleaved_step_time
-                          ) -> PipelineSolution | None:
+                          step: Callable[[list[StageTime], int, int], float] = interleaved_step_time,
+                          max_cuts: int = EXHAUSTIVE_CUTS) -> PipelineSolution | None:
     """A cut of ``[0, num_layers)`` into ``ranks · virtual`` chunks for interleaved 1F1B
     (:func:`interleaved_step_time`); ``stage_time(i, j, g)`` is chunk ``g`` over layers
     ``[i, j)``; ``step`` the schedule's time (:func:`interleaved_step_time`, or
-    :func:`zero_bubble_step_time`). Every cut is tried while there are at most ``EXHAUSTIVE_CUTS`` of them: the
-    optimum. Beyond that (long stacks) each stage time costs a plan, so only a few cuts are
-    tried: the equal one (Megatron's rule) and, given ``per_rank`` (the layers each rank holds
-    in the best plain 1F1B cut: what its speed and memory carry), each rank's layers split
-    evenly over its chunks; the best by the interleaved formula wins. None when none fits."""
+    :func:`zero_bubble_step_time`). Every cut is tried while there are at most ``max_cuts`` of
+    them: the optimum. Otherwise only a few are: the equal cut (Megatron's rule) and, given
+    ``per_rank`` (the layers each rank holds in the best plain 1F1B cut: what its speed and
+    memory carry), each rank's layers split evenly over its chunks; the best by ``step``
+    wins. The planner passes ``max_cuts=0``: there each new chunk is an ILP of its own, and
+    every cut of an 8-layer stack into 4 chunks made interleaving cost more planning time
+    than all of 1F1B's. None when no cut tried fits."""
     chunks = ranks * virtual
     if virtual < 1 or num_layers < chunks:
         return None
-    if math.comb(num_layers - 1, chunks - 1) <= EXHAUSTIVE_CUTS:
+    if math.comb(num_layers - 1, chunks - 1) <= max_cuts:
         candidates = [list(c) for c in itertools.combinations(range(1, num_layers), chunks - 1)]
     else:
         candidates = [_equal_cut(num_layers, chunks)]

@@ -85,7 +85,7 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
     tokens = torch.randint(0, 64, (8, 16))
     plan = autopar.plan(model, (tokens,), cluster="2x1xcpu", pipeline=True, schedule="auto")
     tried = plan.solver["micro_batch_candidates"]
-    assert {t["schedule"] for t in tried} == {"1F1B", "Interleaved1F1B", "InterleavedZeroBubble"}
+    assert {(t["schedule"], t["virtual_stages"]) for t in tried} == {("1F1B", 1), ("InterleavedZeroBubble", 2)}
     assert plan.predicted_step_s == pytest.approx(min(t["predicted_step_s"] for t in tried if t["cuts"]))
     interleaved = autopar.plan(model, (tokens,), cluster="2x1xcpu", pipeline=True, schedule="Interleaved1F1B",
                                micro_batches=4)

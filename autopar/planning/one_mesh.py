@@ -254,7 +254,7 @@ class MeshSearch:
         (bound, order, mesh, problem, index), each built only when the search reaches it — after
         every prepared mesh, so ``incumbent()`` is the best of those. Only with
         ``options.mesh_dims=3``: none for a pinned mesh or configuration (a 2-D rule), or when no
-        2-D mesh won. Each costs a problem on a bigger mesh (about 2.5 s each on this machine
+        2-D mesh won. Each costs a problem on a bigger mesh (about 3.3 s each on this machine
         for the Llama-3-8B shape on 8×8 H100, both pruned by bound there), so 2-D is the default."""
         best = incumbent()
         if self.options.mesh_dims < 3 or self.options.mesh_shape or self.options.configuration or best is None \

@@ -24,6 +24,9 @@ _NUMBER = (int, float)
 PLAN_FAMILIES = ("one_mesh", "pipeline", "replicas")
 # pipeline schedules a plan may record (torch.distributed.pipelining's Schedule<name>)
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
+# of those, the ones that split each backward into input and weight gradients and run the
+# weight gradients later (zero bubble): costed, drawn and lowered differently
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble",)
 # how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
 PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
                        "table_wise", "expert_parallel", "expert_tensor_parallel")

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from autopar.placements import Shard, is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
 from autopar.timeline import overlap_rows, overlap_table, pipeline_timeline, simulated_step_line, step_line
 from autopar.units import format_bytes, format_seconds
 
@@ -46,7 +47,7 @@ def summary(plan: Plan) -> str:
     console.print(f"imbalance (max/mean over devices): busy time {spread['time']:.2f}, memory {spread['memory']:.2f}")
     if plan.stages:
         console.print(stages_table(plan))
-        weights = ", capitals: its weight gradients (A = 0)" if plan.schedule == "InterleavedZeroBubble" else ""
+        weights = ", capitals: its weight gradients (A = 0)" if plan.schedule in SPLIT_BACKWARD_SCHEDULES else ""
         console.print(f"{plan.schedule} timeline, one step ({plan.micro_batches} micro-batches; digits: forward of "
                       f"that micro-batch, letters: backward (a = 0){weights}, '*' several in one cell, '.' idle)")
         console.print(simulated_step_line(plan))

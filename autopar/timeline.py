@@ -7,6 +7,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from autopar.plan import Plan
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
 from autopar.solvers.pipeline import interleaved_order
 from autopar.units import format_seconds
 
@@ -26,7 +27,7 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
     """
     chunks, m, v = len(plan.stages), plan.micro_batches, plan.virtual_stages
     p = chunks // v
-    zero_bubble = plan.schedule == "InterleavedZeroBubble"
+    zero_bubble = plan.schedule in SPLIT_BACKWARD_SCHEDULES
     fwd = [st.compute_s / 3 for st in plan.stages]
     bwd = [(1 if zero_bubble else 2) * st.compute_s / 3 for st in plan.stages]  # zero bubble: input gradients
     send = [st.send_s / 2 for st in plan.stages]  # one way

@@ -27,6 +27,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                          ScheduleInterleavedZeroBubble)
 
 from autopar.plan import Plan
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
 from autopar.passes.grad_sync import sync_grads
@@ -37,9 +38,6 @@ from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, sp
 LANES_ATTR = "_autopar_lanes"
 _SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
               "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
-# schedules that split each backward in two (input gradients, then weight gradients): torch
-# detaches the stage's outputs in place between the halves, which a view cannot take
-_SPLIT_BACKWARD = ("InterleavedZeroBubble",)
 
 
 class PipelineRuntime:
@@ -131,7 +129,7 @@ def _lower_stage(gm: torch.fx.GraphModule, graph: torch.fx.Graph, g: int, plan: 
         checkpoint_layers(module, recomputed)
     width, last = len(plan.stages[g].ranks), len(plan.stages) - 1
     _slice_boundaries(module, lane_mesh, g > 0, g < last, width)
-    if plan.schedule in _SPLIT_BACKWARD:
+    if plan.schedule in SPLIT_BACKWARD_SCHEDULES:  # torch detaches outputs in place between the halves
         _own_outputs(module)
     examples = tuple(_sliced(t, width) for t in examples) if g > 0 else examples
     outputs = tuple(_sliced(t, width) for t in outputs) if g < last else outputs

@@ -29,6 +29,7 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import MemoryBreakdown, Plan, StagePlan, TensorSpec
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
 from autopar.planning.one_mesh import make_plan
 from autopar.planning.options import PlanOptions
 from autopar.units import format_bytes
@@ -77,7 +78,7 @@ class Layout:
     @property
     def zero_bubble(self) -> bool:
         """Weight gradients deferred into the bubbles (the backward split in two)."""
-        return self.schedule in ZERO_BUBBLE
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
     @property
     def chunks(self) -> int:
         return self.ranks * self.virtual
@@ -112,8 +113,13 @@ class Layout:
             return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes,
                                          step=self._interleaved_step, max_cuts=0)
         # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
-        return partition(num_layers, self.ranks, micro_batches, timer,
-                         in_flight=self.ranks if self.schedule == "1F1B" else None)
+        return partition(num_layers, self.ranks, micro_batches, timer, in_flight=self._round_trip)
+
+    @property
+    def _round_trip(self) -> int | None:
+        """Micro-batches one round trip may carry (solvers.pipeline.step_time): 1F1B's stage
+        count; GPipe no bound."""
+        return self.ranks if self.schedule == "1F1B" else None
 
     @property
     def _interleaved_step(self):
@@ -122,7 +128,7 @@ class Layout:
     def step_s(self, times: list[StageTime], micro_batches: int) -> float:
         if self.virtual > 1:
             return self._interleaved_step(times, self.ranks, micro_batches)
-        return step_time(times, micro_batches, in_flight=self.ranks if self.schedule == "1F1B" else None)
+        return step_time(times, micro_batches, in_flight=self._round_trip)
 
     def bubble(self, micro_batches: int) -> float:
         if self.zero_bubble:  # a third of each chunk's time (its weight gradients) fills the bubble
@@ -135,7 +141,6 @@ class Layout:
 # virtual stages per group interleaved schedules try (torchtitan and Megatron use a few per rank)
 VIRTUAL_STAGES = (2, 4)
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # schedules with chunks of layers per group
-ZERO_BUBBLE = ("InterleavedZeroBubble",)  # schedules that split the backward and defer weight gradients
 AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES = "InterleavedZeroBubble", (2,)  # what schedule="auto" adds to 1F1B
 
 

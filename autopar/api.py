@@ -41,7 +41,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     with 2 or 4 chunks of layers per stage; "auto" tries 1F1B and interleaved zero bubble with
     2, and keeps the faster),
     ``batch_split`` the
-    replicas' rows per group. ``configuration="ddp"`` (or fsdp, megatron_tp, tp_dp) returns
+    replicas' rows per group. ``configuration="ddp"`` (or zero2, fsdp, megatron_tp, tp_dp,
+    fsdp_tp, context_parallel) returns
     that hand-written configuration, costed and lowerable like any plan.
     Embedding tables read by one lookup are planned as sparse parameters (dense all-reduce,
     all-gather of touched rows, or row-wise sharding): their access density comes from the

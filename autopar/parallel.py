@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.runtime import ROW_ORDER_ATTR, to_full
-from autopar.passes.split_loss import averages_over_rows, batch_split, local_loss, local_outputs, local_rows
+from autopar.passes.split_loss import (
+    averages_over_rows, batch_split, local_loss, local_outputs, local_rows, split_tensor_dims)
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -131,8 +132,10 @@ class ParallelModule(nn.Module):
             return self.runtime.train_step(inputs, target)
         outputs = self._lowered_for(inputs)(*inputs)
         split = batch_split(outputs, target)
-        if split is not None and self._averages is None:  # checked once: is it a mean over rows?
-            self._averages = averages_over_rows(self.loss_fn, local_outputs(outputs), local_rows(target, split[0]))
+        if split is not None and self._averages is None:  # checked once: is it a mean over the split dims?
+            local, rows = local_outputs(outputs), local_rows(target, split[0])
+            self._averages = all(averages_over_rows(self.loss_fn, local, rows, dim)
+                                 for dim in split_tensor_dims(*split))
             if not self._averages:
                 log.warning("loss_fn is not a mean over the batch (a row twice changes its value): it runs "
                             "on the whole outputs, gathered on every device")

@@ -214,7 +214,7 @@ class Plan:
     solver: dict[str, Any]
     mesh_candidates: tuple[dict[str, Any], ...]
     options: dict[str, Any]
-    # hand-written configurations (ddp, fsdp, megatron_tp, tp_dp) costed on this cluster:
+    # hand-written configurations (ddp, fsdp, megatron_tp, context_parallel, tp_dp, …) costed here:
     # name -> {predicted_step_s, feasible, memory_bytes, reason when infeasible}
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
     # which planning family made the plan ("one_mesh", "pipeline", "replicas"), and what each

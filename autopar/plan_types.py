@@ -22,6 +22,11 @@ from autopar.errors import AutoparError, ErrorKind
 _NUMBER = (int, float)
 # plan.family: the planning families (autopar.planning.FAMILIES; a test keeps the two alike)
 PLAN_FAMILIES = ("one_mesh", "pipeline", "replicas")
+# output dims a one-mesh plan may leave split for the loss (the batch, the sequence): a loss
+# that averages over them is taken device by device (passes.split_loss)
+LOSS_SPLIT_DIMS = (0, 1)
+# fused attention's (B, H, T, E) tensors: the dim context parallelism splits
+ATTENTION_SEQUENCE_DIM = 2
 # pipeline schedules a plan may record (torch.distributed.pipelining's Schedule<name>)
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
 # of those, the ones that split each backward into input and weight gradients and run the

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from autopar.placements import Shard, is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
-from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
+from autopar.plan_types import ATTENTION_SEQUENCE_DIM, SPLIT_BACKWARD_SCHEDULES
 from autopar.timeline import overlap_rows, overlap_table, pipeline_timeline, simulated_step_line, step_line
 from autopar.units import format_bytes, format_seconds
 
@@ -120,7 +120,8 @@ def mesh_dim_roles(plan: Plan) -> list[str]:
     """What each dim of the plan's mesh does, in the words hand-written configurations use:
     "dp_shard" (the batch split and most parameter bytes, or their optimizer states, sharded:
     FSDP / ZeRO), "dp_replicate" (the batch split, parameters whole: DDP, HSDP's outer dim),
-    "tp" (parameters split, the batch not), "cp" (the sequence split, the batch not),
+    "tp" (parameters split, the batch not), "cp" (attention's sequence split — context
+    parallelism —, or the inputs split on another dim than the batch, parameters whole),
     "replicate" (none of these), "none" (a dim of one device). A pipeline plan's mesh is
     ["pp", "lane"], replica groups' ["dp_replicate", "lane"] (each group's own mesh inside)."""
     if plan.stages or plan.replicas:
@@ -129,6 +130,8 @@ def mesh_dim_roles(plan: Plan) -> list[str]:
     specs = [(p.bytes, parse_spec(p.placement), parse_spec(p.optimizer_state or p.placement))
              for p in plan.parameters.values()]
     total = sum(size for size, _, _ in specs) or 1
+    attention = [node.output_spec() for node in plan.nodes.values()
+                 if "scaled_dot_product_attention" in node.op and node.outputs[0]]
     roles = []
     for d, devices in enumerate(plan.mesh_shape):
         split = {spec[d] for spec in inputs if d < len(spec) and spec[d].is_shard}
@@ -136,6 +139,8 @@ def mesh_dim_roles(plan: Plan) -> list[str]:
         tensor_split = any(not is_replicated((placement[d],)) for _, placement, _ in specs)
         if devices == 1:
             roles.append("none")
+        elif any(d < len(spec) and spec[d] == Shard(ATTENTION_SEQUENCE_DIM) for spec in attention):
+            roles.append("cp")  # attention's sequence split: context parallelism
         elif Shard(0) in split:
             roles.append("dp_shard" if 2 * sharded >= total else "dp_replicate")
         elif tensor_split:

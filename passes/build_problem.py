@@ -34,9 +34,11 @@ from autopar import placements as pl
 from autopar.comm import DDP_BUCKET_BYTES, all_to_all_s
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
+from autopar.plan_types import LOSS_SPLIT_DIMS
 from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
-from autopar.passes.cost import COST_KEY, tensor_bytes
+from autopar.passes.context_parallel import attention_work_split, gathered_kv_bytes, kv_exchange_s
+from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.reshard_cost import Parts, reshard_parts, unit_links
@@ -164,7 +166,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             rerun = layer is not None and not stored
             factor = (3 if node.name in grad_nodes else 1) + rerun
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
-            forward = [timed.time_s(device, work_split(s, mesh.shape)) for s in options]
+            forward = [timed.time_s(device, attention_work_split(node, s, mesh.shape) if node.target is FUSED_ATTENTION
+                                    else work_split(s, mesh.shape)) for s in options]
             exchange = [_exchange_s(node, s, mesh, device) for s in options]
             cost = [factor * f + x for f, x in zip(forward, exchange)]
             group = group_of.setdefault(node_layer(node) or "", len(group_of))
@@ -172,7 +175,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                 rerun_s[len(names)] = forward
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else kept_bytes(node, s, saved, mesh.shape, activation_copies)
-                   for s in options]
+                   + gathered_kv_bytes(node, s, mesh.shape, activation_copies) for s in options]
             if stored:  # selective: matmul and attention outputs kept as without recomputation
                 recomputed[len(names)] = (mem, mem, False)
             elif layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
@@ -258,16 +261,23 @@ def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[t
                      mesh_shape: tuple[int, ...], split: bool) -> list[Strategy]:
     """How the outputs may be delivered: whole on every device, and with ``split`` also split
     along dim 0 on any mesh dims — when every output's dim 0 is a batch dim (the size of a
-    user input's dim 0) that splits evenly. All outputs are placed alike."""
+    user input's dim 0) that splits evenly — or along dim 1, the sequence (a user input's dim 1
+    of that size: a token-level loss, e.g. next-token cross-entropy, on logits no device holds
+    whole; passes.split_loss). All outputs are placed alike."""
     whole = Strategy((), tuple(pl.replicated(len(mesh_shape)) for _ in out_args))
-    batches = {n.meta["val"].shape[0] for n in graph.nodes if n.op == "placeholder"
-               and n.name not in captured.parameter_of and n.name not in captured.buffer_of
-               and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() > 0}
+    users = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"
+             and n.name not in captured.parameter_of and n.name not in captured.buffer_of
+             and isinstance(n.meta.get("val"), torch.Tensor)]
     vals = [a.meta["val"] for a in out_args]
-    if not split or not vals or not all(v.dim() > 0 and v.shape[0] in batches for v in vals):
+    if not split or not vals:
         return [whole]
+    splits = [pl.R]
+    for dim in LOSS_SPLIT_DIMS:
+        sizes = {v.shape[dim] for v in users if v.dim() > dim}
+        if all(v.dim() > dim and v.shape[dim] in sizes for v in vals):
+            splits.append(pl.Shard(dim))
     options = [whole]
-    for combo in itertools.product((pl.R, pl.Shard(0)), repeat=len(mesh_shape)):
+    for combo in itertools.product(splits, repeat=len(mesh_shape)):
         if pl.is_replicated(combo):
             continue
         if all(evenly_sharded(v.shape, combo, mesh_shape) for v in vals):
@@ -286,7 +296,10 @@ def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: i
 
 
 def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device: DeviceSpec | None) -> float:
-    """Communication a strategy makes itself: a lookup's sparse exchange, an expert dispatch."""
+    """Communication a strategy makes itself: a lookup's sparse exchange, an expert dispatch,
+    attention's gathered keys and values (context parallelism)."""
+    if node.target is FUSED_ATTENTION:
+        return kv_exchange_s(node, strategy, mesh)
     if strategy.exchange == EXPERT_DISPATCH:
         return dispatch_s(node, strategy, mesh, device)
     return sparse_exchange_s(node.meta[LOOKUP_KEY], strategy, mesh) if strategy.exchange else 0.0
@@ -441,14 +454,17 @@ def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, re
 def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
                         mesh: MeshSpec) -> float:
     """Time of the exchanges the chosen strategies make themselves — lookups' sparse rows,
-    experts' dispatched rows — every copy of a repeated node counted (on :func:`unit_links`
+    experts' dispatched rows, attention's gathered keys and values — every copy of a repeated node counted (on :func:`unit_links`
     meshes: the bytes one device sends)."""
     lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
     dispatches = {n.name: n for n in captured.graph.nodes if DISPATCH_KEY in n.meta}
+    attentions = {n.name: n for n in captured.graph.nodes if n.target is FUSED_ATTENTION}
     total = 0.0
     for q, name in enumerate(index.names):
         strategy = index.strategies[q][choice[q]]
-        if strategy.exchange and name in lookups:
+        if name in attentions:
+            total += problem.count(q) * kv_exchange_s(attentions[name], strategy, mesh)
+        elif strategy.exchange and name in lookups:
             total += problem.count(q) * sparse_exchange_s(lookups[name], strategy, mesh)
         elif strategy.exchange and name in dispatches:
             total += problem.count(q) * dispatch_s(dispatches[name], strategy, mesh, None)

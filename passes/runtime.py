@@ -13,10 +13,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._redistribute import Redistribute
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils._pytree import tree_map
 
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order
 from autopar.placements import parse_spec, replicated
+from autopar.plan_types import ATTENTION_SEQUENCE_DIM as SEQUENCE_DIM
 
 
 def placements(spec: str) -> tuple:
@@ -124,25 +126,54 @@ def local_call(op, mesh, *args, **kwargs):
 def local_attention(mesh, spec: str, traced: tuple[tuple, tuple] | None, query, key, value, attn_mask=None,
                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                     enable_gqa: bool = False) -> DTensor:
-    """Fused attention on this device's shard: the plan splits it only by batch or by heads
-    (passes.strategies), where each device's piece is attention of its own sequences or
-    heads, so the fused kernel runs locally and nothing is communicated, forward or backward.
+    """Fused attention on this device's shard. Split by batch or by heads
+    (passes.strategies), each device's piece is attention of its own sequences or heads: the
+    fused kernel runs locally and nothing is communicated, forward or backward. Split by
+    sequence (passes.context_parallel), the keys and values are all-gathered on those mesh
+    dims first (their gradients come back reduce-scattered) and the local queries attend to
+    every key before them (causal: the keys up to the chunk's end, a lower-right causal
+    mask) or to all of them.
     Returns the output placed ``spec`` with the ``traced`` (shape, stride) and its local piece
     laid out in the same dim order: the kernel chosen here may lay it out otherwise, and the
     graph's views after it were traced on that layout."""
-    def local(t):
-        return t.to_local() if isinstance(t, DTensor) else t
+    out_placements = placements(spec)
+    sequence = [d for d, p in enumerate(out_placements) if isinstance(p, Shard) and p.dim == SEQUENCE_DIM]
 
-    q, k, v = (_GradInLayout.apply(local(t), _dim_order(t.stride())) if t.requires_grad else local(t)
-               for t in (query, key, value))
+    def local(t, gather: bool = False):
+        if not isinstance(t, DTensor):
+            return t
+        if gather and sequence:
+            t, grad = _gathered_sequence(t, sequence)
+            piece = t.to_local(grad_placements=grad)
+        else:
+            piece = t.to_local()
+        return _GradInLayout.apply(piece, _dim_order(t.stride())) if t.requires_grad else piece
+
+    q, k, v = local(query), local(key, gather=True), local(value, gather=True)
+    if sequence and is_causal:
+        _, offset = compute_local_shape_and_global_offset(query.shape, mesh, query.placements)
+        seen = offset[SEQUENCE_DIM] + q.shape[SEQUENCE_DIM]  # keys up to this chunk's last query
+        k, v = k.narrow(SEQUENCE_DIM, 0, seen), v.narrow(SEQUENCE_DIM, 0, seen)
+        attn_mask, is_causal = causal_lower_right(q.shape[SEQUENCE_DIM], seen), False
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=local(attn_mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa)
     if traced is None:
-        return DTensor.from_local(out, mesh, placements(spec), run_check=False)
+        return DTensor.from_local(out, mesh, out_placements, run_check=False)
     shape, stride = traced
     out = _in_layout(out, _dim_order(stride))
-    return DTensor.from_local(out, mesh, placements(spec), run_check=False, shape=torch.Size(shape), stride=stride)
+    return DTensor.from_local(out, mesh, out_placements, run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+def _gathered_sequence(t: DTensor, dims: list[int]) -> tuple[DTensor, list]:
+    """``t`` whole on the mesh ``dims`` (an all-gather of its sequence), and the placements
+    its local gradient has there: partial, each device's queries having added their part."""
+    whole = [Replicate() if d in dims else p for d, p in enumerate(t.placements)]
+    grad = [Partial() if d in dims else p for d, p in enumerate(t.placements)]
+    if t.requires_grad:  # the reduce-scattered gradient goes back laid out as ``t`` says (_GradInLayout)
+        piece = _GradInLayout.apply(t.to_local(), _dim_order(t.stride()))
+        t = DTensor.from_local(piece, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return t.redistribute(t.device_mesh, whole), grad
 
 
 def _dim_order(stride: tuple[int, ...]) -> tuple[int, ...]:

@@ -21,18 +21,27 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.plan_types import LOSS_SPLIT_DIMS
+
 
 def batch_split(outputs, target) -> tuple[DTensor, list[int]] | None:
-    """An output that sets the split, and the mesh dims its rows are split over; None when
-    the outputs are whole or ``target`` has not the same rows."""
+    """An output that sets the split, and the mesh dims it is split over (on its dim 0 or 1);
+    None when the outputs are whole or ``target`` is not split alike (the same size on every
+    split dim)."""
     split = [o for o in tree_flatten(outputs)[0] if isinstance(o, DTensor)]
     if not split or not isinstance(target, torch.Tensor) or isinstance(target, DTensor):
         return None
     like = split[0]
-    dims = [d for d, p in enumerate(like.placements) if p == Shard(0)]
-    if not dims or target.dim() == 0 or target.shape[0] != like.shape[0]:
+    dims = [d for d, p in enumerate(like.placements) if isinstance(p, Shard) and p.dim in LOSS_SPLIT_DIMS]
+    if not dims or any(target.dim() <= p.dim or target.shape[p.dim] != like.shape[p.dim]
+                       for p in (like.placements[d] for d in dims)):
         return None
     return like, dims
+
+
+def split_tensor_dims(like: DTensor, dims: list[int]) -> list[int]:
+    """The tensor dims ``like`` is split on over the mesh ``dims``."""
+    return sorted({like.placements[d].dim for d in dims})
 
 
 def local_outputs(outputs):
@@ -46,14 +55,14 @@ def local_rows(target: torch.Tensor, like: DTensor) -> torch.Tensor:
                              src_data_rank=None).to_local()
 
 
-def averages_over_rows(loss_fn: Callable, outputs, target) -> bool:
-    """Whether ``loss_fn`` is a mean over dim 0: one row's loss equals the loss of that row
-    twice (a sum doubles). Run without gradients on the first row only."""
+def averages_over_rows(loss_fn: Callable, outputs, target, dim: int = 0) -> bool:
+    """Whether ``loss_fn`` is a mean over ``dim``: the loss of one slice along it equals the
+    loss of that slice twice (a sum doubles). Run without gradients on the first slice only."""
     def one(t):
-        return t[:1] if isinstance(t, torch.Tensor) else t
+        return t.narrow(dim, 0, 1) if isinstance(t, torch.Tensor) and t.dim() > dim else t
 
     def twice(t):
-        return torch.cat([t[:1], t[:1]]) if isinstance(t, torch.Tensor) else t
+        return torch.cat([one(t), one(t)], dim=dim) if isinstance(t, torch.Tensor) and t.dim() > dim else t
     with torch.no_grad():
         try:
             single = loss_fn(tree_map(one, outputs), one(target))

@@ -48,6 +48,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.utils._pytree import tree_flatten
 
 from autopar import placements as pl
+from autopar.passes.context_parallel import SEQUENCE_SPLIT, context_rule
 from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
 
@@ -205,8 +206,9 @@ def _attention_rules(node: torch.fx.Node) -> list[tuple[tuple, tuple]]:
     (dim 1 of 4-D query, key, value and output; key and value heads must split evenly too, so
     grouped-query heads stay with their queries). A mask splits along with them where it has
     those dims, else it is replicated. Every split is exact: each device runs the fused kernel
-    on its own sequences or heads (runtime.local_attention). DTensor's own rules cover only the
-    CUDA kernels; these hold for every device."""
+    on its own sequences or heads (runtime.local_attention). Self-attention with no mask may
+    also split its sequence (dim 2, passes.context_parallel). DTensor's own rules cover only
+    the CUDA kernels; these hold for every device."""
     query, *_rest = attention_args(node)
     ins = tensor_args(node)
     mask = ins[3].meta["val"] if len(ins) > 3 else None
@@ -215,7 +217,8 @@ def _attention_rules(node: torch.fx.Node) -> list[tuple[tuple, tuple]]:
         split = pl.Shard(dim)
         mask_p = () if mask is None else (split if mask.dim() == 4 and mask.shape[dim] > 1 else pl.R,)
         rules.append(((split,), (split, split, split, *mask_p)))
-    return rules
+    sequence = context_rule(node)  # context parallelism: keys and values gathered in the op
+    return rules + ([sequence] if sequence else [])
 
 
 def _has_rule(op, prop) -> bool:
@@ -293,6 +296,8 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
     strategies = _combine(node, per_dim, mesh_shape)
     if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
         strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
+    if node.target is FUSED_ATTENTION:  # the sequence split on one mesh dim at most
+        strategies = [s for s in strategies if sum(p == SEQUENCE_SPLIT for p in s.outputs[0]) <= 1]
     node.meta[STRATEGIES_KEY] = strategies
 
 

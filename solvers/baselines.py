@@ -24,6 +24,7 @@ from typing import NamedTuple
 from autopar.placements import R, Shard, Spec
 
 BATCH = object()  # in a rule: Shard(batch dim) for an input with one, R for an input without
+SEQUENCE = object()  # in a rule: Shard(the dim after the batch dim) for an input with one, R for others
 
 
 class Kept(NamedTuple):
@@ -54,7 +55,9 @@ def _fix(kinds, leaf_options, batch_dims, param_wanted, input_wanted, roles=None
         if kind == "input":
             batch = batch_dims[i] if batch_dims else 0
             on_batch = R if batch is None else Shard(batch)
-            wanted = [tuple(on_batch if p is BATCH else p for p in w) for w in wanted]
+            on_sequence = R if batch is None else Shard(batch + 1)  # absent from options when it has no such dim
+            wanted = [tuple(on_batch if p is BATCH else on_sequence if p is SEQUENCE else p for p in w)
+                      for w in wanted]
         else:
             wanted = [w if isinstance(w, Kept) else Kept(w, w) for w in wanted]
         choice = _pick(options, wanted)
@@ -105,7 +108,21 @@ def row_wise(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims
     return _fix(kinds, leaf_options, batch_dims, [(R,)], [(BATCH,)], roles, {"table": [(Shard(0),), (R,)]})
 
 
-BASELINES = {"ddp": ddp, "zero2": zero2, "fsdp": fsdp, "megatron_tp": megatron_tp, "row_wise": row_wise}
+def context_parallel(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None
+                     ) -> dict[int, int] | None:
+    """Context parallelism as torchtitan runs it on one mesh dim (its ``dp_shard_cp``):
+    parameters sharded on dim 0 as by FSDP (replicated when too small), every input split on
+    its sequence dim (the one after the batch dim; replicated when it has none or it does
+    not split evenly); attention then splits its sequence too (passes.context_parallel).
+    Not applicable when no input has a sequence dim to split."""
+    fixed = _fix(kinds, leaf_options, batch_dims, [(Shard(0),), (R,)], [(SEQUENCE,), (R,)])
+    if fixed is None or all(leaf_options[i][c] == (R,) for i, c in fixed.items() if kinds[i] == "input"):
+        return None
+    return fixed
+
+
+BASELINES = {"ddp": ddp, "zero2": zero2, "fsdp": fsdp, "megatron_tp": megatron_tp, "row_wise": row_wise,
+             "context_parallel": context_parallel}
 
 
 def tp_dp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
@@ -116,4 +133,15 @@ def tp_dp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=No
     return _fix(kinds, leaf_options, batch_dims, [(R, R)], [(BATCH, R)], roles, by_role)
 
 
-BASELINES_2D = {"tp_dp": tp_dp}
+def fsdp_tp(kinds: list[str], leaf_options: list[list[Spec]], roles, batch_dims=None) -> dict[int, int] | None:
+    """FSDP across hosts (outer mesh dim: parameters sharded on dim 0, the batch split) ×
+    Megatron inside a host (inner dim): FSDP2 + TP, torchtitan's 2-D layout (its 405B run
+    on 128 H100 is FSDP 16 × TP 8). A parameter too small to split on the outer dim stays
+    whole there."""
+    if not any(role in MEGATRON_ROLES for role in roles):
+        return None
+    by_role = {role: [(Shard(0), *p[0]), (R, *p[0])] for role, p in MEGATRON_ROLES.items()}
+    return _fix(kinds, leaf_options, batch_dims, [(Shard(0), R), (R, R)], [(BATCH, R)], roles, by_role)
+
+
+BASELINES_2D = {"tp_dp": tp_dp, "fsdp_tp": fsdp_tp}

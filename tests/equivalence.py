@@ -112,6 +112,8 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     # weights cast for compute: a compute copy, or a gather that casts before it moves (ZeRO-2, FSDP)
     errors["compute_copies"] = code.count("compute_copy(") + code.count(", torch.bfloat16, torch.float32)")
     errors["fused_attention"] = code.count("local_attention(")
+    errors["attention_outputs"] = sorted({node.outputs[0] for node in pmodel.plan.nodes.values()
+                                          if "scaled_dot_product_attention" in node.op})
     errors["redistributes"] = code.count("redistribute(")
     errors["checkpointed"] = code.count("checkpointed(")  # layers recomputed in backward
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})

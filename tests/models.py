@@ -66,9 +66,11 @@ class ExplicitAttentionBlock(Block):
 
 class GQAttention(nn.Module):
     """Grouped-query attention (``heads`` query heads sharing ``kv_heads`` key/value heads)
-    through the fused kernel: causal, or with a padding mask of shape (B, 1, 1, T)."""
+    through the fused kernel: causal, or with a padding mask of shape (B, 1, 1, T)
+    (``mask=True``), or with the causal mask written out (``mask="causal"``, ``causal=False``)."""
 
-    def __init__(self, d: int = 32, heads: int = 4, kv_heads: int = 2, causal: bool = True, mask: bool = False) -> None:
+    def __init__(self, d: int = 32, heads: int = 4, kv_heads: int = 2, causal: bool = True,
+                 mask: bool | str = False) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.causal, self.mask = heads, kv_heads, causal, mask
         self.q = nn.Linear(d, d)
@@ -81,7 +83,10 @@ class GQAttention(nn.Module):
         q = self.q(x).view(b, t, self.heads, e).transpose(1, 2)
         k, v = (z.view(b, t, self.kv_heads, e).transpose(1, 2) for z in self.kv(x).split(self.kv_heads * e, dim=2))
         mask = None
-        if self.mask:  # the last position of every other sequence is padding
+        if self.mask == "causal":  # written out as Hugging Face models pass it: (1, 1, T, T), no is_causal
+            positions = torch.arange(t, device=x.device)
+            mask = (positions.view(1, t) <= positions.view(t, 1)).view(1, 1, t, t)
+        elif self.mask:  # the last position of every other sequence is padding
             keep = torch.ones(b, 1, 1, t, dtype=torch.bool, device=x.device)
             mask = keep.index_fill(3, torch.tensor([t - 1], device=x.device), False) | (
                 torch.arange(b, device=x.device) % 2 == 0).view(b, 1, 1, 1)

@@ -39,12 +39,13 @@ def test_attention_is_one_op_costed_by_its_formula():
 @pytest.mark.parametrize("mesh, heads_split", [((2,), True), ((4,), False)])
 def test_splits_by_batch_and_by_whole_query_groups(mesh, heads_split):
     """4 query heads share 2 key/value heads: a head split over 2 devices keeps each group
-    whole; over 4 it would cut a key/value head, so only the batch splits."""
+    whole; over 4 it would cut a key/value head, so only the batch splits (and the sequence:
+    context parallelism, tests/test_context_parallel.py)."""
     captured, ops = _ops(GQAttention(heads=4, kv_heads=2), (torch.randn(8, 8, 32),))
     enumerate_strategies(captured.graph, mesh)
     (node,) = [n for n in ops if n.target is FUSED_ATTENTION]
     outputs = {s.outputs[0] for s in node.meta[STRATEGIES_KEY]}
-    assert outputs == ({(R,), (Shard(0),), (Shard(1),)} if heads_split else {(R,), (Shard(0),)})
+    assert outputs == ({(R,), (Shard(0),), (Shard(1),), (Shard(2),)} if heads_split else {(R,), (Shard(0),), (Shard(2),)})
     assert all(len(set(s.inputs)) == 1 and s.inputs[0] == s.outputs[0] for s in node.meta[STRATEGIES_KEY])
 
 

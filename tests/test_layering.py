@@ -9,8 +9,8 @@ Bottom to top, each layer and what it may import from the project:
             placements, files}
   ops       autopar.passes.dtensor_ops                     types
   analysis  autopar.passes (the package) and its           types, ops, analysis; no ortools
-            capture, cost, decompose, embedding_bag,
-            expert_dispatch, expert_order, experts,
+            capture, context_parallel, cost, decompose,
+            embedding_bag, expert_dispatch, expert_order, experts,
             layers, memory, build_problem, sparse,
             stack_experts, stages, strategies,
             symbolic, values
@@ -56,7 +56,7 @@ TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "clus
                                   "plan_types", "problem", "placements", "files")}
 OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
-    "capture", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
+    "capture", "context_parallel", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
     "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
     "training_forward", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",

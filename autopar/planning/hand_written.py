@@ -1,4 +1,4 @@
-"""Hand-written configurations (DDP, FSDP, Megatron TP, TP × DP) as problems with their
+"""Hand-written configurations (DDP, FSDP, Megatron TP, TP × DP, context parallelism) as problems with their
 parameters and inputs pinned: what a person would write, costed by the planner's own model
 on the same mesh, so "plan vs best baseline" compares like with like
 (``solvers.baselines`` holds the rules; this module maps them onto a captured graph).
@@ -12,6 +12,8 @@ from autopar import placements as pl
 from autopar.plan import layer_of_path
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
+from autopar.passes.context_parallel import SEQUENCE_SPLIT
+from autopar.passes.cost import FUSED_ATTENTION
 from autopar.passes.build_problem import ProblemIndex
 from autopar.passes.sparse import LOOKUP_KEY
 from autopar.solvers.baselines import Kept
@@ -98,7 +100,25 @@ def baseline_problem(captured: Captured, problem: ShardingProblem, index: Proble
                          and pl.is_replicated(s.inputs[0]) and all(p is pl.Shard(0) for p in s.inputs[1])]
                 if local:
                     fixed = {**fixed, q: local[0]}
+    if name == "context_parallel":  # attention splits its sequence wherever it can, as in torchtitan
+        attention = _sequence_attention(captured, index)
+        if not attention:  # no fused self-attention: there is no context to split
+            return None
+        fixed = {**fixed, **attention}
     return dataclasses.replace(problem, fixed=fixed, excluded=_sparse_exchanges(index))
+
+
+def _sequence_attention(captured: Captured, index: ProblemIndex) -> dict[int, int]:
+    """Attention nodes with a strategy splitting the sequence on every mesh dim of size > 1
+    (passes.context_parallel) -> that strategy."""
+    attention = {n.name for n in captured.graph.nodes if n.target is FUSED_ATTENTION}
+    fixed = {}
+    for q, name in enumerate(index.names):
+        if name in attention:
+            split = [t for t, s in enumerate(index.strategies[q]) if all(p == SEQUENCE_SPLIT for p in s.outputs[0])]
+            if split:
+                fixed[q] = split[0]
+    return fixed
 
 
 def _sparse_exchanges(index: ProblemIndex) -> frozenset[tuple[int, int]]:

@@ -1,0 +1,120 @@
+"""Context parallelism (issue 21): fused attention with its sequence split over devices —
+keys and values all-gathered in the op, gradients reduce-scattered — costed honestly
+(the gather, the gathered keys kept, the causal imbalance of contiguous chunks) and lowered
+so that outputs, loss and gradients equal the single process's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.mesh import mesh_for_shape
+from autopar.cluster import Cluster
+from autopar.passes.capture import capture
+from autopar.passes.context_parallel import (
+    SEQUENCE_SPLIT, attention_work_split, gathered_kv_bytes, kv_exchange_s)
+from autopar.passes.cost import FUSED_ATTENTION
+from autopar.passes.strategies import STRATEGIES_KEY, enumerate_strategies
+from autopar.placements import R
+from autopar.report import mesh_dim_roles
+from distributed import run_world
+from equivalence import run_cases
+from models import GQAttention
+
+
+def _attention(model, inputs, mesh_shape):
+    captured = capture(model, inputs)
+    enumerate_strategies(captured.graph, mesh_shape)
+    (node,) = [n for n in captured.graph.nodes if n.target is FUSED_ATTENTION]
+    return node
+
+
+def _sequence_strategy(node):
+    return next(s for s in node.meta[STRATEGIES_KEY] if s.outputs[0] == (SEQUENCE_SPLIT,))
+
+
+def test_self_attention_may_split_its_sequence():
+    """With no mask, with a padding mask (B, 1, 1, T) — kept whole —, or with a causal mask
+    written out (1, 1, T, T) — split by its query rows with the queries."""
+    x = torch.randn(2, 8, 32)
+    node = _attention(GQAttention(heads=4, kv_heads=2), (x,), (2,))
+    assert _sequence_strategy(node).inputs == ((SEQUENCE_SPLIT,),) * 3
+    padded = _attention(GQAttention(heads=4, kv_heads=2, causal=False, mask=True), (x,), (2,))
+    assert _sequence_strategy(padded).inputs == ((SEQUENCE_SPLIT,),) * 3 + ((R,),)
+    written = _attention(GQAttention(heads=4, kv_heads=2, causal=False, mask="causal"), (x,), (2,))
+    assert _sequence_strategy(written).inputs == ((SEQUENCE_SPLIT,),) * 4
+    on_2d = _attention(GQAttention(heads=4, kv_heads=2), (x,), (2, 2))  # the sequence split on one dim at most
+    assert all(s.outputs[0] != (SEQUENCE_SPLIT, SEQUENCE_SPLIT) for s in on_2d.meta[STRATEGIES_KEY])
+    assert any(s.outputs[0] == (R, SEQUENCE_SPLIT) for s in on_2d.meta[STRATEGIES_KEY])
+
+
+@pytest.mark.parametrize("devices", [2, 4, 8])
+def test_causal_chunks_cost_the_busiest_device(devices):
+    """Contiguous chunks: under a causal mask the last chunk's queries see every key, so its
+    device does 2/n of the causal work; without a mask each does 1/n. The keys and values
+    (a quarter of the queries' bytes here: 1 of 4 heads) are gathered forward and their
+    gradients reduce-scattered backward, and the gathered copy is kept for backward."""
+    x = torch.randn(1, 64, 32)
+    causal = _attention(GQAttention(heads=4, kv_heads=1), (x,), (devices,))
+    full = _attention(GQAttention(heads=4, kv_heads=1, causal=False), (x,), (devices,))
+    assert attention_work_split(causal, _sequence_strategy(causal), (devices,)) == devices / 2
+    assert attention_work_split(full, _sequence_strategy(full), (devices,)) == devices
+    mesh = mesh_for_shape(Cluster.from_spec(f"{devices}xH100"), (devices,))
+    kv_bytes = 2 * 64 * 8 * 4  # keys and values: 64 positions × 8 wide × fp32
+    link = mesh.links[0]
+    expected = 2 * ((devices - 1) / devices * kv_bytes / link.bandwidth_Bps)
+    exchange = kv_exchange_s(causal, _sequence_strategy(causal), mesh)
+    assert expected < exchange < expected + 2 * (devices - 1) * link.latency_s / min(
+        link.efficiency("all_gather"), link.efficiency("reduce_scatter")) + 1e-12
+    assert gathered_kv_bytes(causal, _sequence_strategy(causal), (devices,), copies=1) == kv_bytes * (devices - 1) // devices
+    assert kv_exchange_s(causal, causal.meta[STRATEGIES_KEY][0], mesh) == 0.0  # replicated: nothing gathered
+
+
+def test_long_sequences_plan_with_the_sequence_split():
+    """A 32k-token sequence of a multi-query model (one key/value head: heads cannot split)
+    on 8 devices: the plan splits attention's sequence and calls that mesh dim "cp"; the
+    hand-written context-parallel configuration is costed next to it."""
+    with torch.device("meta"):
+        model, x = GQAttention(d=1024, heads=16, kv_heads=1, causal=False), torch.randn(1, 32768, 1024)
+    plan = autopar.plan(model, (x,), cluster="8xH100", mixed_precision="bf16")
+    (attention,) = [n for n in plan.nodes.values() if n.op == str(FUSED_ATTENTION)]
+    assert attention.outputs == ("S(2)",)
+    assert mesh_dim_roles(plan) == ["cp"]
+    assert plan.baselines["context_parallel"]["feasible"]
+    assert plan.predicted_step_s <= plan.baselines["context_parallel"]["predicted_step_s"] * (1 + 1e-9)
+
+
+CP = {"cluster": "2xcpu", "configuration": "context_parallel"}
+WORLD2 = [
+    ("GQAttention", {"heads": 4, "kv_heads": 1}, "seq", 1, CP),  # causal, multi-query
+    ("GQAttention", {"heads": 4, "kv_heads": 2}, "seq", 2, CP),  # causal, grouped, 2 sequences
+    ("GQAttention", {"causal": False}, "seq", 1, CP),
+    ("GQAttention", {"causal": False, "mask": "causal"}, "seq", 1, CP),  # the mask's rows split
+    ("GQAttention", {"causal": False, "mask": True}, "seq", 2, CP),  # a padding mask, whole
+    ("GPT", {"layers": 2}, "tokens", 1, CP),  # position embeddings of arange, every op split on the sequence
+]
+WORLD4 = [
+    ("GQAttention", {"heads": 4, "kv_heads": 2}, "seq", 1, {"cluster": "4xcpu", "configuration": "context_parallel"}),
+]
+
+
+def _check(cases, results):
+    for case, errors in zip(cases, results, strict=True):
+        label = f"{case[0]} {case[1]} {case[4]}"
+        assert errors["attention_outputs"] == ["S(2)"], (label, errors)  # the sequence is split
+        assert errors["fused_attention"] >= 1, (label, errors)
+        for key in ("output", "loss", "grad"):
+            assert errors[key] <= 1e-5, (label, key, errors)
+        assert errors["param"] <= 1e-4 and errors["param_flat"] <= 3e-2, (label, errors)
+        assert "missing_grad" not in errors, (label, errors)
+
+
+@pytest.mark.distributed
+def test_context_parallel_equivalence_two_processes():
+    _check(WORLD2, run_world(2, run_cases, WORLD2))
+
+
+@pytest.mark.distributed
+def test_context_parallel_equivalence_four_processes():
+    _check(WORLD4, run_world(4, run_cases, WORLD4))

@@ -35,9 +35,10 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble",)
 # how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
 PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
                        "table_wise", "expert_parallel", "expert_tensor_parallel")
-# what a node exchanges besides its placements (NodePlan.exchange: passes.sparse's and
-# passes.expert_dispatch's Strategy.exchange names; a test keeps them alike)
-NODE_EXCHANGES = ("", "sparse_allgather", "table_wise", "expert_dispatch")
+# what a node exchanges besides its placements (NodePlan.exchange: passes.sparse's,
+# passes.expert_dispatch's and passes.context_parallel's Strategy.exchange names; a test
+# keeps them alike)
+NODE_EXCHANGES = ("", "sparse_allgather", "table_wise", "expert_dispatch", "balanced_causal")
 # the keys every node and parameter entry of a plan file has (the others have defaults)
 _NODE_FIELDS = ("op", "outputs", "inputs", "compute_s", "fallback", "reshard_s", "alternatives")
 _PARAMETER_FIELDS = ("placement", "bytes", "exchange")

@@ -37,7 +37,7 @@ from autopar.mesh import MeshSpec
 from autopar.plan_types import LOSS_SPLIT_DIMS
 from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
-from autopar.passes.context_parallel import attention_work_split, gathered_kv_bytes, kv_exchange_s
+from autopar.passes.context_parallel import BALANCED_CAUSAL, attention_work_split, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
@@ -262,7 +262,7 @@ def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[t
     """How the outputs may be delivered: whole on every device, and with ``split`` also split
     along dim 0 on any mesh dims — when every output's dim 0 is a batch dim (the size of a
     user input's dim 0) that splits evenly — or along dim 1, the sequence (a user input's dim 1
-    of that size: a token-level loss, e.g. next-token cross-entropy, on logits no device holds
+    of that size, in outputs of 3 dims or more: a token-level loss, e.g. next-token cross-entropy, on logits no device holds
     whole; passes.split_loss). All outputs are placed alike."""
     whole = Strategy((), tuple(pl.replicated(len(mesh_shape)) for _ in out_args))
     users = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"
@@ -274,7 +274,8 @@ def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[t
     splits = [pl.R]
     for dim in LOSS_SPLIT_DIMS:
         sizes = {v.shape[dim] for v in users if v.dim() > dim}
-        if all(v.dim() > dim and v.shape[dim] in sizes for v in vals):
+        # a sequence has a feature dim after it: a (batch, features) output's dim 1 is no sequence
+        if all(v.dim() > max(dim, 2 * dim) and v.shape[dim] in sizes for v in vals):
             splits.append(pl.Shard(dim))
     options = [whole]
     for combo in itertools.product(splits, repeat=len(mesh_shape)):
@@ -473,7 +474,7 @@ def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: Pro
 
 def _syncs_table(strategy: Strategy) -> bool:
     """A lookup twin that brings its table's gradient where it belongs itself."""
-    return bool(strategy.exchange) and strategy.exchange != EXPERT_DISPATCH
+    return bool(strategy.exchange) and strategy.exchange not in (EXPERT_DISPATCH, BALANCED_CAUSAL)
 
 
 def _split_mask(strategy: Strategy) -> tuple[bool, ...]:

@@ -13,13 +13,18 @@ keys' and values' gradients (DTensor: a partial gradient back onto the shard).
 
 Costed here, read by passes.build_problem: the gather and the reduce-scatter on the mesh
 dim's link, the gathered keys and values kept for backward, and the busiest device's
-attention work. Chunks are contiguous (no load-balancing reorder of the sequence), so under
-a causal mask the device with the last chunk computes its queries against the whole
-sequence: 2/n of causal attention instead of 1/n — the plan says so rather than hides it.
+attention work. Chunks are contiguous, so under a causal mask the device with the last chunk
+computes its queries against the whole sequence: 2/n of causal attention instead of 1/n.
+The balanced twin of a causal split (``exchange="balanced_causal"``) evens that out as
+torchtitan's load balancer does — device r computes query half-chunks r and 2n−1−r — but
+inside the op: the query halves travel to the device computing them and their outputs come
+back (one all-to-all each way, and again for the gradients), so the rest of the model keeps
+its contiguous sequence order. The search takes whichever is faster.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -31,6 +36,7 @@ from autopar.passes.cost import FUSED_ATTENTION, attention_args, tensor_bytes
 from autopar.plan_types import ATTENTION_SEQUENCE_DIM as SEQUENCE_DIM
 
 SEQUENCE_SPLIT = pl.Shard(SEQUENCE_DIM)
+BALANCED_CAUSAL = "balanced_causal"  # Strategy.exchange of a causal split's load-balanced twin
 
 
 def context_rule(node: torch.fx.Node) -> tuple[tuple, tuple] | None:
@@ -65,16 +71,35 @@ def _is_causal(node: torch.fx.Node) -> bool:
 
 def attention_work_split(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...]) -> float:
     """Devices ``node``'s work divides over as its busiest device sees it: every split dim's
-    size, except that a causal sequence split over n devices gives the last chunk's device
-    2/n of the work (its queries see every key), i.e. divides by n/2."""
+    size, except for a causal sequence split over n devices. In contiguous chunks the last
+    device's queries see every key: T²/n of the T²/2 pairs, a split of n/2. Balanced, each
+    device computes two half-chunks, (2n+1)·(T/2n)² pairs (whole blocks, the diagonal
+    ones too): a split of 2n²/(2n+1)."""
     first = strategy.outputs[0] if strategy.outputs else None
     if first is None:
         return 1.0
     split = float(math.prod(size for p, size in zip(first, mesh_shape) if p is not pl.R))
     if _is_causal(node):
         for d in context_dims(node, strategy):
-            split /= 2.0 if mesh_shape[d] > 1 else 1.0
+            n = mesh_shape[d]
+            if n > 1:
+                split *= (2 * n / (2 * n + 1) if strategy.exchange == BALANCED_CAUSAL else 0.5)
     return max(split, 1.0)
+
+
+def balanced_twins(node: torch.fx.Node, strategies: list, mesh_shape: tuple[int, ...]) -> list:
+    """The load-balanced twin of every causal sequence split of ``node`` with no explicit
+    mask, whose local chunks halve evenly."""
+    if node.target is not FUSED_ATTENTION or not _is_causal(node) or attention_args(node)[3] is not None:
+        return []
+    return [dataclasses.replace(s, exchange=BALANCED_CAUSAL) for s in strategies
+            if context_dims(node, s) and _evenly_halved(node, s, mesh_shape)]
+
+
+def _evenly_halved(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...]) -> bool:
+    length = attention_args(node)[0].meta["val"].shape[SEQUENCE_DIM]
+    parts = math.prod(mesh_shape[d] for d in context_dims(node, strategy))
+    return length % (2 * parts) == 0
 
 
 def _kv_bytes(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...], gathered_dim: int) -> float:
@@ -90,13 +115,18 @@ def _kv_bytes(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...], gather
 
 def kv_exchange_s(node: torch.fx.Node, strategy, mesh: MeshSpec, links=None) -> float:
     """Time of the keys' and values' all-gather (forward) and their gradients'
-    reduce-scatter (backward) on each mesh dim the sequence is split on."""
+    reduce-scatter (backward) on each mesh dim the sequence is split on; balanced, also the
+    query half-chunks sent to the devices computing them and their outputs back, and the
+    same for the gradients (each device sends at most its whole query chunk each time)."""
     links = links or mesh.links
     total = 0.0
     for d in context_dims(node, strategy):
         n = mesh.shape[d]
         nbytes = _kv_bytes(node, strategy, mesh.shape, d)
         total += all_gather_s(nbytes, n, links[d]) + reduce_scatter_s(nbytes, n, links[d])
+        if strategy.exchange == BALANCED_CAUSAL and n > 1:
+            query = tensor_bytes(attention_args(node)[0].meta["val"]) / pl.divided_over(strategy.inputs[0], mesh.shape)
+            total += 4 * (query / links[d].bandwidth_Bps + 2 * links[d].latency_s) / links[d].efficiency("all_to_all")
     return total
 
 

@@ -43,6 +43,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
+from autopar.passes.context_parallel import BALANCED_CAUSAL
 from autopar.passes.cost import FUSED_ATTENTION, is_view_op
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
 from autopar.passes.materialize import check_initialisable, materialized, on_meta
@@ -361,7 +362,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         elif node.target is FUSED_ATTENTION:  # the fused kernel on each device's sequences or heads
             traced = node.meta.get("val")
             like = (tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None
-            node.args = (mesh_node, nplan.outputs[0], like, *node.args)
+            node.args = (mesh_node, nplan.outputs[0], like, nplan.exchange == BALANCED_CAUSAL, *node.args)
             node.target = runtime.local_attention
         elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup

@@ -48,7 +48,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.utils._pytree import tree_flatten
 
 from autopar import placements as pl
-from autopar.passes.context_parallel import SEQUENCE_SPLIT, context_rule
+from autopar.passes.context_parallel import SEQUENCE_SPLIT, balanced_twins, context_rule
 from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
 
@@ -296,8 +296,9 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
     strategies = _combine(node, per_dim, mesh_shape)
     if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
         strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
-    if node.target is FUSED_ATTENTION:  # the sequence split on one mesh dim at most
+    if node.target is FUSED_ATTENTION:  # the sequence split on one mesh dim at most; causal: also balanced
         strategies = [s for s in strategies if sum(p == SEQUENCE_SPLIT for p in s.outputs[0]) <= 1]
+        strategies += balanced_twins(node, strategies, mesh_shape)
     node.meta[STRATEGIES_KEY] = strategies
 
 

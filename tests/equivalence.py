@@ -25,6 +25,9 @@ def _inputs(kind: str, batch: int):
         return (torch.randn(batch, 3, 16, 16, generator=g),)
     if kind == "seq":
         return (torch.randn(batch, 8, 32, generator=g),)
+    if kind.startswith("long:"):  # long:T:D — sequences of T positions of width D
+        length, width = (int(v) for v in kind[5:].split(":"))
+        return (torch.randn(batch, length, width, generator=g),)
     if kind.startswith("seq:"):  # seq:D — sequences of 8 positions of width D
         return (torch.randn(batch, 8, int(kind[4:]), generator=g),)
     if kind.startswith("vec:"):  # vec:D — rows of width D
@@ -114,6 +117,10 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     errors["fused_attention"] = code.count("local_attention(")
     errors["attention_outputs"] = sorted({node.outputs[0] for node in pmodel.plan.nodes.values()
                                           if "scaled_dot_product_attention" in node.op})
+    errors["attention_exchanges"] = sorted({node.exchange for node in pmodel.plan.nodes.values()
+                                            if "scaled_dot_product_attention" in node.op})
+    errors["norm_outputs"] = sorted({node.outputs[0] for node in pmodel.plan.nodes.values() if "layer_norm" in node.op})
+    errors["outputs_placed"] = pmodel.plan.outputs
     errors["redistributes"] = code.count("redistribute(")
     errors["checkpointed"] = code.count("checkpointed(")  # layers recomputed in backward
     errors["exchanges"] = sorted({p.exchange for p in pmodel.plan.parameters.values()})

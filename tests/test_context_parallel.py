@@ -1,7 +1,9 @@
 """Context parallelism (issue 21): fused attention with its sequence split over devices —
 keys and values all-gathered in the op, gradients reduce-scattered — costed honestly
 (the gather, the gathered keys kept, the causal imbalance of contiguous chunks) and lowered
-so that outputs, loss and gradients equal the single process's."""
+so that outputs, loss and gradients equal the single process's. And sequence parallelism in
+a tensor-parallel region (Megatron's SP: norms on sequence shards, reduce-scatter and
+all-gather in place of all-reduce), which DTensor's own rules give the search."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from autopar.mesh import mesh_for_shape
 from autopar.cluster import Cluster
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import (
-    SEQUENCE_SPLIT, attention_work_split, gathered_kv_bytes, kv_exchange_s)
+    BALANCED_CAUSAL, SEQUENCE_SPLIT, attention_work_split, gathered_kv_bytes, kv_exchange_s)
 from autopar.passes.cost import FUSED_ATTENTION
 from autopar.passes.strategies import STRATEGIES_KEY, enumerate_strategies
 from autopar.placements import R
@@ -30,8 +32,8 @@ def _attention(model, inputs, mesh_shape):
     return node
 
 
-def _sequence_strategy(node):
-    return next(s for s in node.meta[STRATEGIES_KEY] if s.outputs[0] == (SEQUENCE_SPLIT,))
+def _sequence_strategy(node, exchange: str = ""):
+    return next(s for s in node.meta[STRATEGIES_KEY] if s.outputs[0] == (SEQUENCE_SPLIT,) and s.exchange == exchange)
 
 
 def test_self_attention_may_split_its_sequence():
@@ -52,7 +54,7 @@ def test_self_attention_may_split_its_sequence():
 @pytest.mark.parametrize("devices", [2, 4, 8])
 def test_causal_chunks_cost_the_busiest_device(devices):
     """Contiguous chunks: under a causal mask the last chunk's queries see every key, so its
-    device does 2/n of the causal work; without a mask each does 1/n. The keys and values
+    device does 2/n of the causal work; without a mask each does 1/n; balanced about 1/n. The keys and values
     (a quarter of the queries' bytes here: 1 of 4 heads) are gathered forward and their
     gradients reduce-scattered backward, and the gathered copy is kept for backward."""
     x = torch.randn(1, 64, 32)
@@ -69,6 +71,14 @@ def test_causal_chunks_cost_the_busiest_device(devices):
         link.efficiency("all_gather"), link.efficiency("reduce_scatter")) + 1e-12
     assert gathered_kv_bytes(causal, _sequence_strategy(causal), (devices,), copies=1) == kv_bytes * (devices - 1) // devices
     assert kv_exchange_s(causal, causal.meta[STRATEGIES_KEY][0], mesh) == 0.0  # replicated: nothing gathered
+    # balanced: halves j and 2n-1-j on device j, (2n+1)/(4n²) of the pairs each; the query
+    # halves and their outputs travel both ways, forward and backward
+    balanced = _sequence_strategy(causal, BALANCED_CAUSAL)
+    assert attention_work_split(causal, balanced, (devices,)) == pytest.approx(2 * devices ** 2 / (2 * devices + 1))
+    query_bytes = 64 * 32 * 4 // devices
+    assert kv_exchange_s(causal, balanced, mesh) - exchange == pytest.approx(
+        4 * (query_bytes / link.bandwidth_Bps + 2 * link.latency_s) / link.efficiency("all_to_all"))
+    assert not any(s.exchange for s in full.meta[STRATEGIES_KEY])  # no mask, not causal: nothing to balance
 
 
 def test_long_sequences_plan_with_the_sequence_split():
@@ -87,7 +97,8 @@ def test_long_sequences_plan_with_the_sequence_split():
 
 CP = {"cluster": "2xcpu", "configuration": "context_parallel"}
 WORLD2 = [
-    ("GQAttention", {"heads": 4, "kv_heads": 1}, "seq", 1, CP),  # causal, multi-query
+    ("GQAttention", {"heads": 4, "kv_heads": 1}, "seq", 1, CP),  # causal, multi-query, balanced
+    ("GQAttention", {"heads": 4, "kv_heads": 1}, "long:6:32", 1, CP),  # chunks of 3 do not halve: contiguous
     ("GQAttention", {"heads": 4, "kv_heads": 2}, "seq", 2, CP),  # causal, grouped, 2 sequences
     ("GQAttention", {"causal": False}, "seq", 1, CP),
     ("GQAttention", {"causal": False, "mask": "causal"}, "seq", 1, CP),  # the mask's rows split
@@ -101,8 +112,11 @@ WORLD4 = [
 
 def _check(cases, results):
     for case, errors in zip(cases, results, strict=True):
-        label = f"{case[0]} {case[1]} {case[4]}"
+        label = f"{case[0]} {case[1]} {case[2]} {case[4]}"
         assert errors["attention_outputs"] == ["S(2)"], (label, errors)  # the sequence is split
+        causal = case[1].get("causal", True) and not case[1].get("mask")
+        balanced = causal and case[2] != "long:6:32"  # load-balanced wherever the chunks halve
+        assert errors["attention_exchanges"] == ["balanced_causal" if balanced else ""], (label, errors)
         assert errors["fused_attention"] >= 1, (label, errors)
         for key in ("output", "loss", "grad"):
             assert errors[key] <= 1e-5, (label, key, errors)
@@ -118,3 +132,19 @@ def test_context_parallel_equivalence_two_processes():
 @pytest.mark.distributed
 def test_context_parallel_equivalence_four_processes():
     _check(WORLD4, run_world(4, run_cases, WORLD4))
+
+
+SP = [("Block", {}, "long:64:32", 1, {"cluster": "2xcpu", "configuration": "megatron_tp"})]
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_tensor_parallel_region_equivalence():
+    """Megatron TP on one 64-token sequence: the first norm runs on sequence shards, the
+    block's output leaves reduce-scattered on the sequence (row-parallel partial sums ->
+    S(1)), and the column-parallel matmuls read an all-gathered input."""
+    (errors,) = run_world(2, run_cases, SP)
+    assert "S(1)" in errors["norm_outputs"], errors  # a norm on the sequence shards
+    assert errors["outputs_placed"] == ("S(1)",), errors  # partial sums reduce-scattered on the sequence
+    for key in ("output", "loss", "grad"):
+        assert errors[key] <= 1e-5, (key, errors)
+    assert errors["param"] <= 1e-4 and "missing_grad" not in errors, errors

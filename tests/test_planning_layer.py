@@ -107,8 +107,9 @@ def test_plan_files_accept_every_family_and_only_those():
 
 
 def test_plan_files_accept_every_exchange_the_passes_make():
+    from autopar.passes.context_parallel import BALANCED_CAUSAL
     from autopar.passes.expert_dispatch import EXPERT_DISPATCH
     from autopar.passes.sparse import SPARSE_ALLGATHER, TABLE_WISE
     from autopar.plan_types import NODE_EXCHANGES
 
-    assert {SPARSE_ALLGATHER, TABLE_WISE, EXPERT_DISPATCH} == set(NODE_EXCHANGES) - {""}
+    assert {SPARSE_ALLGATHER, TABLE_WISE, EXPERT_DISPATCH, BALANCED_CAUSAL} == set(NODE_EXCHANGES) - {""}

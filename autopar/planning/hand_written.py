@@ -12,7 +12,7 @@ from autopar import placements as pl
 from autopar.plan import layer_of_path
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
-from autopar.passes.context_parallel import SEQUENCE_SPLIT
+from autopar.passes.context_parallel import BALANCED_CAUSAL, SEQUENCE_SPLIT
 from autopar.passes.cost import FUSED_ATTENTION
 from autopar.passes.build_problem import ProblemIndex
 from autopar.passes.sparse import LOOKUP_KEY
@@ -110,20 +110,23 @@ def baseline_problem(captured: Captured, problem: ShardingProblem, index: Proble
 
 def _sequence_attention(captured: Captured, index: ProblemIndex) -> dict[int, int]:
     """Attention nodes with a strategy splitting the sequence on every mesh dim of size > 1
-    (passes.context_parallel) -> that strategy."""
+    (passes.context_parallel) -> that strategy, load-balanced where it is causal (as
+    torchtitan's context parallelism runs it)."""
     attention = {n.name for n in captured.graph.nodes if n.target is FUSED_ATTENTION}
     fixed = {}
     for q, name in enumerate(index.names):
         if name in attention:
             split = [t for t, s in enumerate(index.strategies[q]) if all(p == SEQUENCE_SPLIT for p in s.outputs[0])]
             if split:
-                fixed[q] = split[0]
+                fixed[q] = max(split, key=lambda t: index.strategies[q][t].exchange == BALANCED_CAUSAL)
     return fixed
 
 
 def _sparse_exchanges(index: ProblemIndex) -> frozenset[tuple[int, int]]:
-    """(node, strategy) of every sparse-exchange lookup: hand-written configurations are dense."""
-    return frozenset((i, t) for i, options in enumerate(index.strategies) for t, s in enumerate(options) if s.exchange)
+    """(node, strategy) of every sparse-exchange lookup and expert dispatch: hand-written
+    configurations are dense (balanced causal attention is no such exchange)."""
+    return frozenset((i, t) for i, options in enumerate(index.strategies) for t, s in enumerate(options)
+                     if s.exchange and s.exchange != BALANCED_CAUSAL)
 
 
 def _leaf_options(index: ProblemIndex) -> list[list]:

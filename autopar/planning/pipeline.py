@@ -29,9 +29,9 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import MemoryBreakdown, Plan, StagePlan, TensorSpec
-from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
 from autopar.planning.one_mesh import make_plan
 from autopar.planning.options import PlanOptions
+from autopar.planning.schedules import Layout, schedule_layouts
 from autopar.units import format_bytes
 from autopar.passes.capture import Captured, leading_batch
 from autopar.passes.cost import annotate_costs, tensor_bytes
@@ -39,9 +39,7 @@ from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
-from autopar.solvers.pipeline import (PipelineSolution, StageTime, bubble, interleaved_bubble, interleaved_step_time,
-                                      interleaved_warmup, partition, partition_interleaved, step_time,
-                                      zero_bubble_step_time)
+from autopar.solvers.pipeline import PipelineSolution, StageTime
 
 log = logging.getLogger(__name__)
 
@@ -63,108 +61,6 @@ def groups_unavailable(cluster: Cluster, options: PlanOptions) -> str | None:
 # recompute option -> the modes a search over device groups tries, in order (the first that fits wins)
 RECOMPUTE_MODES = {"auto": ("none", "selective", "full"), "none": ("none",), "selective": ("selective",),
                    "full": ("full",)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How a schedule lays stages on ``ranks`` device groups: ``virtual`` chunks of layers per
-    group (interleaved 1F1B: chunk ``g`` on group ``g mod ranks``; otherwise 1), and what each
-    chunk holds in flight and may use of its devices' memory."""
-
-    schedule: str
-    ranks: int
-    virtual: int = 1
-
-    @property
-    def zero_bubble(self) -> bool:
-        """Weight gradients deferred into the bubbles (the backward split in two)."""
-        return self.schedule in SPLIT_BACKWARD_SCHEDULES
-    @property
-    def chunks(self) -> int:
-        return self.ranks * self.virtual
-
-    def group_of(self, g: int) -> int:
-        return g % self.ranks
-
-    def in_flight(self, g: int, micro_batches: int) -> int:
-        """Micro-batches whose activations chunk ``g`` holds at once: every one under GPipe;
-        under 1F1B the stages from it to the last; under interleaved 1F1B its rank's warm-up
-        forwards and one more (torch's ScheduleInterleaved1F1B; the zero-bubble schedule warms up
-        less), shared by the rank's chunks."""
-        if self.schedule == "GPipe":
-            return micro_batches
-        if self.virtual == 1:
-            return min(self.ranks - g, micro_batches)
-        warmup = interleaved_warmup(self.group_of(g), self.ranks, self.virtual, micro_batches,
-                                    per_hop=1 if self.zero_bubble else 2)
-        return min(micro_batches, -(-(warmup + 1) // self.virtual))
-
-    def memory_share(self) -> int:
-        """Chunks sharing one device's memory: each is planned within its share of it."""
-        return self.virtual
-
-    def partition(self, num_layers: int, micro_batches: int, timer,
-                  plain: PipelineSolution | None = None) -> PipelineSolution | None:
-        """The best cut under this layout; interleaved layouts start from ``plain`` (the best
-        cut with one stage per group), each group's layers split over its chunks."""
-        if self.virtual > 1:
-            sizes = None if plain is None else \
-                [b - a for a, b in zip((0, *plain.cuts), (*plain.cuts, num_layers))]
-            return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes,
-                                         step=self._interleaved_step, max_cuts=0)
-        # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
-        return partition(num_layers, self.ranks, micro_batches, timer, in_flight=self._round_trip)
-
-    @property
-    def _round_trip(self) -> int | None:
-        """Micro-batches one round trip may carry (solvers.pipeline.step_time): 1F1B's stage
-        count; GPipe no bound."""
-        return self.ranks if self.schedule == "1F1B" else None
-
-    @property
-    def _interleaved_step(self):
-        return zero_bubble_step_time if self.zero_bubble else interleaved_step_time
-
-    def step_s(self, times: list[StageTime], micro_batches: int) -> float:
-        if self.virtual > 1:
-            return self._interleaved_step(times, self.ranks, micro_batches)
-        return step_time(times, micro_batches, in_flight=self._round_trip)
-
-    def bubble(self, micro_batches: int) -> float:
-        if self.zero_bubble:  # a third of each chunk's time (its weight gradients) fills the bubble
-            return (self.ranks - 1) / (3 * micro_batches * self.virtual + self.ranks - 1)
-        if self.virtual > 1:
-            return interleaved_bubble(self.ranks, self.virtual, micro_batches)
-        return bubble(self.ranks, micro_batches)
-
-
-# virtual stages per group interleaved schedules try (torchtitan and Megatron use a few per rank)
-VIRTUAL_STAGES = (2, 4)
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # schedules with chunks of layers per group
-AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES = "InterleavedZeroBubble", (2,)  # what schedule="auto" adds to 1F1B
-
-
-def schedule_layouts(schedule: str, ranks: int, layers: int, micro_batches: int) -> list[Layout]:
-    """The layouts the search tries for ``schedule``: a pinned interleaved schedule with 2 and
-    4 chunks per group; "auto" 1F1B and interleaved zero bubble with 2 — under this cost
-    model zero bubble is never slower than interleaved 1F1B and holds fewer activations (a
-    shallower warm-up), and each extra layout plans every chunk again (trying all four
-    doubled planning time on the H100 + A100 scenario of benchmarks/hetero.py). Interleaved
-    ones need a layer per chunk and, as torch's interleaved schedules, a whole number of
-    micro-batches per round (``m`` divisible by ``max(1, m // ranks)``)."""
-    plain = [Layout(schedule, ranks)] if schedule in ("1F1B", "GPipe") else [Layout("1F1B", ranks)] \
-        if schedule == "auto" else []
-    if schedule not in ("auto", *INTERLEAVED):
-        return plain
-    rounds = max(1, micro_batches // ranks)
-    tried = [(AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES)] if schedule == "auto" else [(schedule, VIRTUAL_STAGES)]
-    interleaved = [Layout(name, ranks, v) for name, counts in tried for v in counts
-                   if ranks * v <= layers and micro_batches % rounds == 0]
-    if schedule != "auto" and not interleaved:
-        raise AutoparError(ErrorKind.BAD_INPUT, f"{schedule} puts {VIRTUAL_STAGES[0]} or more chunks of layers on "
-                           f"each of the {ranks} stages' devices: the model's {layers} layers are too few; use "
-                           "schedule='1F1B'")
-    return plain + interleaved
 
 
 def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:

@@ -17,7 +17,9 @@ from autopar.cli_args import (HintingParser, attach_dash_values, batch_sizes, me
 from autopar.errors import AutoparError, ErrorKind, first_line
 from autopar.model_files import UsageError, load_model
 from autopar.plan_types import PIPELINE_SCHEDULES
+from autopar.solvers.baselines import CONFIGURATIONS, configurations
 from autopar.units import format_bytes
+
 
 EXAMPLES = {
     "plan": "autopar plan examples.gpt:build --cluster 2x8xH100 -o plan.json\n"
@@ -170,7 +172,7 @@ def _plan_for_cli(autopar, args, model, inputs):
                         batch_split=args.batch_split,
                         symbolic=bool(args.batch_size), mixed_precision=args.precision,
                         recompute=args.recompute, overlap=not args.no_overlap, bucket_cap_mb=args.bucket_cap_mb,
-                        prefetch_layers=args.prefetch_layers)
+                        prefetch_layers=args.prefetch_layers, configuration=args.configuration)
 
 
 def _cmd_replan(args) -> int:
@@ -348,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
+    p.add_argument("--configuration", choices=CONFIGURATIONS,
+                   help="pin a hand-written configuration (its parameter and input placements; the rest is "
+                        "searched), costed and lowerable like any plan; 1-D: " + ", ".join(configurations(1)) +
+                        "; 2-D: " + ", ".join(configurations(2)))
     p.add_argument("--mesh-shape", type=mesh_shape, metavar="N,N[,N]",
                    help="pin the device mesh, outer dim first, e.g. 2,8 or 2,4,8 (default: searched)")
     p.add_argument("--mesh-dims", type=int, choices=(1, 2, 3), default=2,

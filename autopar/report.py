@@ -29,6 +29,9 @@ def summary(plan: Plan) -> str:
     console.print(precision_line(plan))
     console.print(throughput_line(plan))
     console.print(recompute_line(plan))
+    context = context_line(plan)
+    if context:
+        console.print(context)
     memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
                    "memory per device in the largest replica's plan, and time" if plan.replicas else
                    f"memory per device, and time (all {plan.num_devices} devices run the same program)")
@@ -208,6 +211,23 @@ def recompute_line(plan: Plan) -> str:
                  f"{format_bytes(plan.memory.activations_bytes)} of activations instead of "
                  f"{format_bytes(cost['activations_kept_bytes'])}")
     return line
+
+
+def context_line(plan: Plan) -> str | None:
+    """Where attention splits its sequence (context parallelism), over how many devices, and
+    whether causal chunks are load-balanced; None when no attention does."""
+    split: dict[int, set[str]] = {}
+    for node in plan.nodes.values():
+        if "scaled_dot_product_attention" in node.op and node.outputs and node.outputs[0]:
+            for d, p in enumerate(node.output_spec()):
+                if p == Shard(ATTENTION_SEQUENCE_DIM):
+                    split.setdefault(d, set()).add("load-balanced causal halves" if node.exchange
+                                                   else "contiguous chunks")
+    if not split:
+        return None
+    dims = "; ".join(f"mesh dim {plan.mesh_dim_names[d] if d < len(plan.mesh_dim_names) else d} "
+                     f"({plan.mesh_shape[d]} devices, {' and '.join(sorted(kinds))})" for d, kinds in split.items())
+    return f"context parallelism: attention's sequence split on {dims}; keys and values all-gathered"
 
 
 def precision_line(plan: Plan) -> str:

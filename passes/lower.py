@@ -43,6 +43,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
+from autopar.passes.attention_runtime import local_attention
 from autopar.passes.context_parallel import BALANCED_CAUSAL
 from autopar.passes.cost import FUSED_ATTENTION, is_view_op
 from autopar.passes.dtensor_ops import dtensor_placements, inverse_order, relabel_experts
@@ -363,7 +364,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             traced = node.meta.get("val")
             like = (tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None
             node.args = (mesh_node, nplan.outputs[0], like, nplan.exchange == BALANCED_CAUSAL, *node.args)
-            node.target = runtime.local_attention
+            node.target = local_attention
         elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
@@ -444,7 +445,7 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
-                  runtime.table_wise_lookups, runtime.dispatch_experts, runtime.local_attention}
+                  runtime.table_wise_lookups, runtime.dispatch_experts, local_attention}
 
 
 def _gathers(have: str | None, want: str) -> bool:

@@ -206,7 +206,7 @@ def _attention_rules(node: torch.fx.Node) -> list[tuple[tuple, tuple]]:
     (dim 1 of 4-D query, key, value and output; key and value heads must split evenly too, so
     grouped-query heads stay with their queries). A mask splits along with them where it has
     those dims, else it is replicated. Every split is exact: each device runs the fused kernel
-    on its own sequences or heads (runtime.local_attention). Self-attention with no mask may
+    on its own sequences or heads (passes.attention_runtime). Self-attention with no mask may
     also split its sequence (dim 2, passes.context_parallel). DTensor's own rules cover only
     the CUDA kernels; these hold for every device."""
     query, *_rest = attention_args(node)

@@ -51,6 +51,15 @@ def test_plan_factory_json_and_show(tmp_path):
         assert heading in table.stdout, heading
 
 
+def test_a_hand_written_configuration_is_pinned_from_the_command_line():
+    done = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "--configuration", "fsdp", "--json")
+    assert done.returncode == 0, done.stderr
+    placements = {p["placement"] for p in json.loads(done.stdout)["parameters"].values()}
+    assert "S(0)" in placements and placements <= {"S(0)", "R"}, placements  # FSDP: rows split, small ones whole
+    refused = autopar("plan", "models:tiny_mlp", "--cluster", "2xH100", "--configuration", "zero4")
+    assert refused.returncode == 2 and "invalid choice" in refused.stderr
+
+
 def test_plan_pt2_and_pt(tmp_path):
     model, x = MLP(), torch.randn(8, 16)
     torch.export.save(torch.export.export(model, (x,)), tmp_path / "mlp.pt2")

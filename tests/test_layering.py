@@ -17,7 +17,8 @@ Bottom to top, each layer and what it may import from the project:
   solvers   autopar.solvers, autopar.solvers.*             types, solvers; no torch
   lowering  autopar.passes.{lower, pipeline_lower,         types, ops, analysis, lowering
             replica_lower, fuse, grad_sync, runtime,
-            materialize}, autopar.parallel
+            attention_runtime, materialize},
+            autopar.parallel
   planning  autopar.planning, autopar.planning.*           all but the face
   face      autopar (the package), autopar.{api, cli, cli_args,     anything
             model_files, report, html_report, profile, trace}
@@ -33,8 +34,8 @@ Where the less obvious modules sit, and why:
     share — placement values <-> DTensor placements, the experts' relabelling op that
     passes.expert_order checks on real values and lowering emits — so neither imports the other.
 
-Besides: the training runtime (passes.runtime, autopar.parallel) reaches no analysis module,
-even through others; no import cycles; ``autopar show plan.json`` loads no DTensor, torch.export
+Besides: the training runtime (passes.runtime, passes.attention_runtime, autopar.parallel)
+reaches no analysis module, even through others; no import cycles; ``autopar show plan.json`` loads no DTensor, torch.export
 nor ortools. One named exception, :data:`EXCEPTIONS`.
 """
 
@@ -60,11 +61,11 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
     "training_forward", "values")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
+                                            "runtime", "attention_runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "model_files", "report", "html_report",
                                                 "profile", "timeline", "trace")}
-RUNTIME = {"autopar.passes.runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
+RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {
     "types": {"types"},

@@ -39,7 +39,7 @@ from autopar.passes.build_problem import (
     OUTPUT, ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners)
 from autopar.passes.reshard_cost import unit_links
 from autopar.solvers import get_solver
-from autopar.solvers.baselines import BASELINES, BASELINES_2D
+from autopar.solvers.baselines import BASELINES, BASELINES_2D, configurations
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class MeshSearch:
         least_memory_bytes = []  # per infeasible mesh: the least any placement needs
         for bound, order, mesh, problem, index in itertools.chain(self.prepared, self._refinements(lambda: best)):
             if configuration is not None:
-                rule = self._rules(mesh).get(configuration)
+                rule = configurations(len(mesh.shape)).get(configuration)
                 pinned = baseline_problem(self.captured, problem, index, configuration, rule) if rule else None
                 if pinned is None:  # not expressible on this mesh
                     candidates[order] = {"mesh_shape": list(mesh.shape), "status": "NOT_APPLICABLE",

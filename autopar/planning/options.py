@@ -22,13 +22,12 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.planning.precision import Precision
 from autopar.plan_types import PIPELINE_SCHEDULES
 from autopar.passes.build_problem import OPTIMIZER_STATES
-from autopar.solvers.baselines import BASELINES, BASELINES_2D
+from autopar.solvers.baselines import CONFIGURATIONS
 
 SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or an interleaved schedule, the fastest
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0  # a solver budget beyond a week is a typo (OR-Tools holds it in int64 ms)
 RECOMPUTE = ("auto", "none", "selective", "full")
 # hand-written configurations a person would write: costed beside every plan
-CONFIGURATIONS = tuple({**BASELINES, **BASELINES_2D})
 
 
 @dataclass(frozen=True)

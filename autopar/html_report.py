@@ -19,8 +19,8 @@ from autopar.placements import divides, parse_spec
 from autopar.files import atomic_write_text
 from autopar.plan import MemoryBreakdown, Plan
 from autopar.report import (
-    experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line, recompute_line,
-    throughput_line)
+    context_line, experts_table, replicas_table, sparse_table, stages_table, imbalance, precision_line,
+    recompute_line, throughput_line)
 from autopar.timeline import exposed_comm_s, overlap_rows, overlap_title, schedule_spans, simulated_step_line
 from autopar.units import format_bytes, format_seconds
 
@@ -118,7 +118,8 @@ def render(plan: Plan) -> str:
             f"{format_seconds(plan.predicted_comm_s)}, exposed {format_seconds(exposed_comm_s(plan))}); imbalance (max/mean over devices): busy time "
             f"{spread['time']:.2f}, memory {spread['memory']:.2f}</p>",
             f"<p>{html.escape(precision_line(plan))}; {html.escape(throughput_line(plan))}; "
-            f"{html.escape(recompute_line(plan))}</p>",
+            f"{html.escape(recompute_line(plan))}"
+            f"{'; ' + html.escape(context_line(plan)) if context_line(plan) else ''}</p>",
             "<h2>Memory per device</h2>"]
     rows = _memory_rows(plan)
     kept = plan.memory.total_bytes - plan.memory.activations_bytes + plan.recompute_cost["activations_kept_bytes"] \

@@ -11,7 +11,6 @@ import torch
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.nn.attention.bias import causal_lower_right
 
 from autopar.passes.runtime import GradInLayout, dim_order, in_layout, placements
 from autopar.plan_types import ATTENTION_SEQUENCE_DIM as SEQUENCE_DIM
@@ -26,8 +25,9 @@ def local_attention(mesh, spec: str, traced: tuple[tuple, tuple] | None, balance
     sequence (passes.context_parallel), the keys and values are all-gathered on those mesh
     dims first (their gradients come back reduce-scattered) and the local queries attend to
     every key before them (causal: the keys up to the chunk's end, a lower-right causal
-    mask) or to all of them. ``balanced`` (causal, one mesh dim): the query half-chunks are
-    computed where torchtitan's load balancer would place them (:func:`_balanced_causal`).
+    mask, :func:`_lower_right_causal`) or to all of them. ``balanced`` (causal, one mesh
+    dim): the query half-chunks are computed where torchtitan's load balancer would place
+    them (:func:`_balanced_causal`).
     Returns the output placed ``spec`` with the ``traced`` (shape, stride) and its local piece
     laid out in the same dim order: the kernel chosen here may lay it out otherwise, and the
     graph's views after it were traced on that layout."""
@@ -54,7 +54,7 @@ def local_attention(mesh, spec: str, traced: tuple[tuple, tuple] | None, balance
         _, offset = compute_local_shape_and_global_offset(query.shape, mesh, query.placements)
         seen = offset[SEQUENCE_DIM] + q.shape[SEQUENCE_DIM]  # keys up to this chunk's last query
         k, v = k.narrow(SEQUENCE_DIM, 0, seen), v.narrow(SEQUENCE_DIM, 0, seen)
-        attn_mask, is_causal = causal_lower_right(q.shape[SEQUENCE_DIM], seen), False
+        attn_mask, is_causal = _lower_right_causal(q.shape[SEQUENCE_DIM], seen, q.device), False
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=local(attn_mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa)
@@ -95,7 +95,7 @@ def _balanced_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, r
         seen = (h + 1) * half  # keys up to this half's last query
         outputs.append(torch.nn.functional.scaled_dot_product_attention(
             queries, k.narrow(SEQUENCE_DIM, 0, seen), v.narrow(SEQUENCE_DIM, 0, seen),
-            attn_mask=causal_lower_right(half, seen), **sdpa))
+            attn_mask=_lower_right_causal(half, seen, queries.device), **sdpa))
     returned = all_to_all_single_autograd(torch.stack(outputs).contiguous(), to_each, from_each, group)
     ordered = [None, None]
     for slot, i in enumerate(send):
@@ -112,3 +112,12 @@ def _gathered_sequence(t: DTensor, dims: list[int]) -> tuple[DTensor, list]:
         piece = GradInLayout.apply(t.to_local(), dim_order(t.stride()))
         t = DTensor.from_local(piece, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.redistribute(t.device_mesh, whole), grad
+
+
+def _lower_right_causal(queries: int, keys: int, device) -> torch.Tensor:
+    """The (queries, keys) boolean mask of the last ``queries`` positions of a causal
+    sequence of ``keys``: query i sees keys up to ``keys - queries + i``. A plain tensor, not
+    torch.nn.attention.bias.causal_lower_right: that tensor subclass cannot be saved and
+    rebuilt by activation checkpointing (torch 2.13), and on CPU it materialises this same
+    mask."""
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)

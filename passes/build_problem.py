@@ -169,6 +169,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             forward = [timed.time_s(device, attention_work_split(node, s, mesh.shape) if node.target is FUSED_ATTENTION
                                     else work_split(s, mesh.shape)) for s in options]
             exchange = [_exchange_s(node, s, mesh, device) for s in options]
+            if rerun and node.target is FUSED_ATTENTION:  # recomputed: its forward gathers run again
+                exchange = [x + kv_exchange_s(node, s, mesh, forward_only=True) for x, s in zip(exchange, options)]
             cost = [factor * f + x for f, x in zip(forward, exchange)]
             group = group_of.setdefault(node_layer(node) or "", len(group_of))
             if rerun:

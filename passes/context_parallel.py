@@ -113,20 +113,22 @@ def _kv_bytes(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...], gather
     return total
 
 
-def kv_exchange_s(node: torch.fx.Node, strategy, mesh: MeshSpec, links=None) -> float:
+def kv_exchange_s(node: torch.fx.Node, strategy, mesh: MeshSpec, links=None, forward_only: bool = False) -> float:
     """Time of the keys' and values' all-gather (forward) and their gradients'
     reduce-scatter (backward) on each mesh dim the sequence is split on; balanced, also the
     query half-chunks sent to the devices computing them and their outputs back, and the
-    same for the gradients (each device sends at most its whole query chunk each time)."""
+    same for the gradients (each device sends at most its whole query chunk each time).
+    ``forward_only``: the forward's part (what a recomputed layer runs again)."""
     links = links or mesh.links
     total = 0.0
     for d in context_dims(node, strategy):
         n = mesh.shape[d]
         nbytes = _kv_bytes(node, strategy, mesh.shape, d)
-        total += all_gather_s(nbytes, n, links[d]) + reduce_scatter_s(nbytes, n, links[d])
+        total += all_gather_s(nbytes, n, links[d]) + (0.0 if forward_only else reduce_scatter_s(nbytes, n, links[d]))
         if strategy.exchange == BALANCED_CAUSAL and n > 1:
             query = tensor_bytes(attention_args(node)[0].meta["val"]) / pl.divided_over(strategy.inputs[0], mesh.shape)
-            total += 4 * (query / links[d].bandwidth_Bps + 2 * links[d].latency_s) / links[d].efficiency("all_to_all")
+            sends = 2 if forward_only else 4
+            total += sends * (query / links[d].bandwidth_Bps + 2 * links[d].latency_s) / links[d].efficiency("all_to_all")
     return total
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autopar
+from autopar import html_report
 from autopar.mesh import mesh_for_shape
 from autopar.cluster import Cluster
 from autopar.passes.capture import capture
@@ -79,6 +80,8 @@ def test_causal_chunks_cost_the_busiest_device(devices):
     assert kv_exchange_s(causal, balanced, mesh) - exchange == pytest.approx(
         4 * (query_bytes / link.bandwidth_Bps + 2 * link.latency_s) / link.efficiency("all_to_all"))
     assert not any(s.exchange for s in full.meta[STRATEGIES_KEY])  # no mask, not causal: nothing to balance
+    rerun = kv_exchange_s(causal, balanced, mesh, forward_only=True)  # what a recomputed layer gathers again
+    assert 0 < rerun < kv_exchange_s(causal, balanced, mesh)
 
 
 def test_long_sequences_plan_with_the_sequence_split():
@@ -91,8 +94,8 @@ def test_long_sequences_plan_with_the_sequence_split():
     (attention,) = [n for n in plan.nodes.values() if n.op == str(FUSED_ATTENTION)]
     assert attention.outputs == ("S(2)",)
     assert mesh_dim_roles(plan) == ["cp"]
-    assert "context parallelism: attention's sequence split on mesh dim dp (8 devices, contiguous chunks)" in \
-        summary(plan)
+    line = "context parallelism: attention's sequence split on mesh dim dp (8 devices, contiguous chunks)"
+    assert line in summary(plan) and line.replace("'", "&#x27;") in html_report.render(plan)
     pinned = autopar.plan(model, (x,), cluster="8xH100", mixed_precision="bf16", configuration="context_parallel")
     assert plan.predicted_step_s <= pinned.predicted_step_s * (1 + 1e-9)
 
@@ -106,6 +109,7 @@ WORLD2 = [
     ("GQAttention", {"causal": False, "mask": "causal"}, "seq", 1, CP),  # the mask's rows split
     ("GQAttention", {"causal": False, "mask": True}, "seq", 2, CP),  # a padding mask, whole
     ("GPT", {"layers": 2}, "tokens", 1, CP),  # position embeddings of arange, every op split on the sequence
+    ("GPT", {"layers": 2}, "tokens", 1, {**CP, "recompute": "full"}),  # the gathers and all-to-alls rerun in backward
 ]
 WORLD4 = [
     ("GQAttention", {"heads": 4, "kv_heads": 2}, "seq", 1, {"cluster": "4xcpu", "configuration": "context_parallel"}),
@@ -119,6 +123,7 @@ def _check(cases, results):
         causal = case[1].get("causal", True) and not case[1].get("mask")
         balanced = causal and case[2] != "long:6:32"  # load-balanced wherever the chunks halve
         assert errors["attention_exchanges"] == ["balanced_causal" if balanced else ""], (label, errors)
+        assert errors["checkpointed"] == (2 if case[4].get("recompute") == "full" else 0), (label, errors)
         assert errors["fused_attention"] >= 1, (label, errors)
         for key in ("output", "loss", "grad"):
             assert errors[key] <= 1e-5, (label, key, errors)

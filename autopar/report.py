@@ -133,8 +133,7 @@ def mesh_dim_roles(plan: Plan) -> list[str]:
     specs = [(p.bytes, parse_spec(p.placement), parse_spec(p.optimizer_state or p.placement))
              for p in plan.parameters.values()]
     total = sum(size for size, _, _ in specs) or 1
-    attention = [node.output_spec() for node in plan.nodes.values()
-                 if "scaled_dot_product_attention" in node.op and node.outputs[0]]
+    context = context_split(plan)
     roles = []
     for d, devices in enumerate(plan.mesh_shape):
         split = {spec[d] for spec in inputs if d < len(spec) and spec[d].is_shard}
@@ -142,7 +141,7 @@ def mesh_dim_roles(plan: Plan) -> list[str]:
         tensor_split = any(not is_replicated((placement[d],)) for _, placement, _ in specs)
         if devices == 1:
             roles.append("none")
-        elif any(d < len(spec) and spec[d] == Shard(ATTENTION_SEQUENCE_DIM) for spec in attention):
+        elif d in context:
             roles.append("cp")  # attention's sequence split: context parallelism
         elif Shard(0) in split:
             roles.append("dp_shard" if 2 * sharded >= total else "dp_replicate")
@@ -213,9 +212,9 @@ def recompute_line(plan: Plan) -> str:
     return line
 
 
-def context_line(plan: Plan) -> str | None:
-    """Where attention splits its sequence (context parallelism), over how many devices, and
-    whether causal chunks are load-balanced; None when no attention does."""
+def context_split(plan: Plan) -> dict[int, set[str]]:
+    """Mesh dims on which attention splits its sequence (context parallelism) -> how its
+    chunks are computed there ("contiguous chunks", "load-balanced causal halves")."""
     split: dict[int, set[str]] = {}
     for node in plan.nodes.values():
         if "scaled_dot_product_attention" in node.op and node.outputs and node.outputs[0]:
@@ -223,6 +222,13 @@ def context_line(plan: Plan) -> str | None:
                 if p == Shard(ATTENTION_SEQUENCE_DIM):
                     split.setdefault(d, set()).add("load-balanced causal halves" if node.exchange
                                                    else "contiguous chunks")
+    return split
+
+
+def context_line(plan: Plan) -> str | None:
+    """Where attention splits its sequence (context parallelism), over how many devices, and
+    whether causal chunks are load-balanced; None when no attention does."""
+    split = context_split(plan)
     if not split:
         return None
     dims = "; ".join(f"mesh dim {plan.mesh_dim_names[d] if d < len(plan.mesh_dim_names) else d} "

@@ -37,7 +37,7 @@ from autopar.mesh import MeshSpec
 from autopar.plan_types import LOSS_SPLIT_DIMS
 from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
-from autopar.passes.context_parallel import BALANCED_CAUSAL, attention_work_split, gathered_kv_bytes, kv_exchange_s
+from autopar.passes.context_parallel import attention_work_split, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
@@ -45,7 +45,7 @@ from autopar.passes.reshard_cost import Parts, reshard_parts, unit_links
 from autopar.passes.node_memory import (
     ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
 from autopar.passes.sparse import (
-    LOOKUP_KEY, TABLE_WISE, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
+    LOOKUP_KEY, SPARSE_ALLGATHER, TABLE_WISE, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
     table_owners, table_wise_tables)
 from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
@@ -476,7 +476,7 @@ def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: Pro
 
 def _syncs_table(strategy: Strategy) -> bool:
     """A lookup twin that brings its table's gradient where it belongs itself."""
-    return bool(strategy.exchange) and strategy.exchange not in (EXPERT_DISPATCH, BALANCED_CAUSAL)
+    return strategy.exchange in (SPARSE_ALLGATHER, TABLE_WISE)
 
 
 def _split_mask(strategy: Strategy) -> tuple[bool, ...]:

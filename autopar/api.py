@@ -38,8 +38,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     and keeps the fastest; ``pipeline=True`` or ``replicas=True`` forces one of them, ``False``
     rules it out. ``micro_batches`` pins the pipeline's micro-batch count, ``schedule`` its
     schedule ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble" — the interleaved ones
-    with 2 or 4 chunks of layers per stage; "auto" tries 1F1B and interleaved zero bubble with
-    2, and keeps the faster),
+    with 2 or 4 chunks of layers per stage —, "ZBVZeroBubble": two chunks per stage in a V;
+    "auto" tries 1F1B and interleaved zero bubble with 2, and keeps the faster),
     ``batch_split`` the
     replicas' rows per group. ``configuration="ddp"`` (or zero2, fsdp, megatron_tp, tp_dp,
     fsdp_tp, context_parallel) returns

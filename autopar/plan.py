@@ -23,7 +23,7 @@ from typing import Any
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.files import atomic_write_text
-from autopar.plan_types import check_plan_objects, check_plan_types
+from autopar.plan_types import check_plan_objects, check_plan_types, chunk_group
 
 SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
 _INDEXED = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -222,9 +222,8 @@ class Plan:
     family: str = "one_mesh"
     families: dict[str, dict[str, Any]] = field(default_factory=dict)
     # pipeline: stages in order (empty = one stage over the whole mesh), micro-batches per
-    # step, schedule ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble") and the
-    # predicted idle fraction (p−1)/(m+p−1), interleaved (p−1)/(m·v+p−1), zero bubble
-    # (p−1)/(3·m·v+p−1);
+    # step, schedule (plan_types.PIPELINE_SCHEDULES) and the predicted idle fraction
+    # (p−1)/(m+p−1), interleaved (p−1)/(m·v+p−1), zero bubble (ZB1P and ZBV) (p−1)/(3·m·v+p−1);
     # ``inputs`` then describe one micro-batch
     stages: tuple[StagePlan, ...] = ()
     # heterogeneous data parallelism: every group runs the whole model (``nodes`` placed on its
@@ -235,7 +234,7 @@ class Plan:
     schedule: str | None = None
     bubble: float = 0.0
     # interleaved 1F1B: chunks of layers per device group; ``stages`` then lists every chunk in
-    # model order, chunk g on the group of stage g mod (len(stages) / virtual_stages)
+    # model order, chunk g on group plan_types.chunk_group(g, len(stages) / virtual_stages, schedule)
     virtual_stages: int = 1
     # sparse tables (passes.sparse): {fqn: {rows, row_bytes, lookups, touched_rows, density,
     # density_source, exchange, bytes_per_step: {method: bytes one device receives}, and for
@@ -281,10 +280,11 @@ class Plan:
 
     def stage_groups(self) -> list[tuple[StagePlan, ...]]:
         """A pipeline plan's stages by the device group that runs them: one stage each, or
-        under interleaved 1F1B every group's ``virtual_stages`` chunks (chunk g on group
-        g mod groups); empty without stages."""
+        under an interleaved schedule every group's ``virtual_stages`` chunks, in model order
+        (plan_types.chunk_group); empty without stages."""
         groups = len(self.stages) // self.virtual_stages
-        return [self.stages[r::groups] for r in range(groups)] if self.stages else []
+        return [tuple(st for g, st in enumerate(self.stages) if chunk_group(g, groups, self.schedule) == r)
+                for r in range(groups)] if self.stages else []
 
     @property
     def num_devices(self) -> int:

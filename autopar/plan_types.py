@@ -28,10 +28,26 @@ LOSS_SPLIT_DIMS = (0, 1)
 # fused attention's (B, H, T, E) tensors: the dim context parallelism splits
 ATTENTION_SEQUENCE_DIM = 2
 # pipeline schedules a plan may record (torch.distributed.pipelining's Schedule<name>)
-PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # of those, the ones that split each backward into input and weight gradients and run the
 # weight gradients later (zero bubble): costed, drawn and lowered differently
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble",)
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# of those, the ones that lay two chunks per group in a V (chunk g and 2p - 1 - g on group g)
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble",)
+
+
+def chunk_group(chunk: int, groups: int, schedule: str | None) -> int:
+    """The device group that runs chunk ``chunk`` of a pipeline over ``groups`` groups: torch's
+    loop placement (``chunk mod groups``), or the V of ZBV (group g runs chunks g and
+    2·groups − 1 − g, so the middle hand-over stays on one group).
+
+    >>> [chunk_group(g, 2, "Interleaved1F1B") for g in range(4)], [chunk_group(g, 2, "ZBVZeroBubble") for g in range(4)]
+    ([0, 1, 0, 1], [0, 1, 1, 0])
+    """
+    if schedule in V_SHAPED_SCHEDULES:
+        lap, position = divmod(chunk, groups)
+        return groups - 1 - position if lap % 2 else position
+    return chunk % groups
 # how a parameter's gradient is synchronised (ParameterPlan.exchange documents each)
 PARAMETER_EXCHANGES = ("allreduce", "reduce_scatter", "none", "sparse_allgather", "row_sharded", "column_sharded",
                        "table_wise", "expert_parallel", "expert_tensor_parallel")
@@ -85,6 +101,8 @@ def check_plan_types(plan, source: str) -> None:
         _fail(source, "schedule", f"null or one of {', '.join(PIPELINE_SCHEDULES)}", plan.schedule)
     if plan.virtual_stages < 1 or len(plan.stages) % plan.virtual_stages:
         _fail(source, "virtual_stages", f"1 or more, dividing the {len(plan.stages)} stages", plan.virtual_stages)
+    if plan.schedule in V_SHAPED_SCHEDULES and plan.virtual_stages != 2:
+        _fail(source, "virtual_stages", f"2 under {plan.schedule} (two chunks per group, in a V)", plan.virtual_stages)
     for fqn, parameter in plan.parameters.items():
         if parameter.exchange not in PARAMETER_EXCHANGES:
             _fail(source, f"parameters.{fqn}.exchange", f"one of {', '.join(PARAMETER_EXCHANGES)}", parameter.exchange)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from rich.table import Table
 
 from autopar.plan import Plan
-from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
-from autopar.solvers.pipeline import interleaved_order
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES
+from autopar.solvers.pipeline import interleaved_order, zbv_order
 from autopar.units import format_seconds
 
 
@@ -23,7 +23,8 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
     order (solvers.pipeline.interleaved_order); interleaved zero bubble: the same skeleton
     with its shorter warm-up, each backward split into the input gradients ("B", half of it,
     what the previous stage waits for) and the weight gradients ("W", the other half), which
-    run in the first idle time after their "B" that holds them, else at the end.
+    run in the first idle time after their "B" that holds them, else at the end; ZBV: torch's
+    order (solvers.pipeline.zbv_order), its weight gradients run the same way.
     """
     chunks, m, v = len(plan.stages), plan.micro_batches, plan.virtual_stages
     p = chunks // v
@@ -32,7 +33,8 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
     bwd = [(1 if zero_bubble else 2) * st.compute_s / 3 for st in plan.stages]  # zero bubble: input gradients
     send = [st.send_s / 2 for st in plan.stages]  # one way
     per_hop = 1 if zero_bubble else 2
-    orders = [interleaved_order(r, p, v, m, per_hop) if v > 1 else _one_chunk_order(plan.schedule, r, p, m)
+    orders = [zbv_order(r, p, m) if plan.schedule in V_SHAPED_SCHEDULES else
+              interleaved_order(r, p, v, m, per_hop) if v > 1 else _one_chunk_order(plan.schedule, r, p, m)
               for r in range(p)]
     done: dict[tuple[str, int, int], float] = {}
     spans: list[list[tuple[float, float, str, int]]] = [[] for _ in range(p)]

@@ -37,7 +37,7 @@ from autopar.mesh import MeshSpec
 from autopar.plan_types import LOSS_SPLIT_DIMS
 from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
-from autopar.passes.context_parallel import attention_work_split, gathered_kv_bytes, kv_exchange_s
+from autopar.passes.context_parallel import causal_imbalance, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
 from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
 from autopar.passes.memory import SAVED_KEY
@@ -166,8 +166,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             rerun = layer is not None and not stored
             factor = (3 if node.name in grad_nodes else 1) + rerun
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
-            forward = [timed.time_s(device, attention_work_split(node, s, mesh.shape) if node.target is FUSED_ATTENTION
-                                    else work_split(s, mesh.shape)) for s in options]
+            forward = [timed.time_s(device, work_split(s, mesh.shape) * causal_imbalance(node, s, mesh.shape))
+                       for s in options]
             exchange = [_exchange_s(node, s, mesh, device) for s in options]
             if rerun and node.target is FUSED_ATTENTION:  # recomputed: its forward gathers run again
                 exchange = [x + kv_exchange_s(node, s, mesh, forward_only=True) for x, s in zip(exchange, options)]
@@ -264,8 +264,9 @@ def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[t
     """How the outputs may be delivered: whole on every device, and with ``split`` also split
     along dim 0 on any mesh dims — when every output's dim 0 is a batch dim (the size of a
     user input's dim 0) that splits evenly — or along dim 1, the sequence (a user input's dim 1
-    of that size, in outputs of 3 dims or more: a token-level loss, e.g. next-token cross-entropy, on logits no device holds
-    whole; passes.split_loss). All outputs are placed alike."""
+    of that size, in outputs of 3 dims or more: a token-level loss, e.g. next-token
+    cross-entropy, on logits no device holds whole; passes.split_loss). All outputs are
+    placed alike."""
     whole = Strategy((), tuple(pl.replicated(len(mesh_shape)) for _ in out_args))
     users = [n.meta["val"] for n in graph.nodes if n.op == "placeholder"
              and n.name not in captured.parameter_of and n.name not in captured.buffer_of
@@ -276,8 +277,10 @@ def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[t
     splits = [pl.R]
     for dim in LOSS_SPLIT_DIMS:
         sizes = {v.shape[dim] for v in users if v.dim() > dim}
-        # a sequence has a feature dim after it: a (batch, features) output's dim 1 is no sequence
-        if all(v.dim() > max(dim, 2 * dim) and v.shape[dim] in sizes for v in vals):
+        # the batch needs the dim; a sequence (dim 1) a feature dim after it too: a (batch,
+        # features) output's dim 1 is no sequence
+        least_dims = dim + 1 if dim == 0 else dim + 2
+        if all(v.dim() >= least_dims and v.shape[dim] in sizes for v in vals):
             splits.append(pl.Shard(dim))
     options = [whole]
     for combo in itertools.product(splits, repeat=len(mesh_shape)):

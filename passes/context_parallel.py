@@ -69,22 +69,20 @@ def _is_causal(node: torch.fx.Node) -> bool:
     return bool(attention_args(node)[5])
 
 
-def attention_work_split(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...]) -> float:
-    """Devices ``node``'s work divides over as its busiest device sees it: every split dim's
-    size, except for a causal sequence split over n devices. In contiguous chunks the last
-    device's queries see every key: T²/n of the T²/2 pairs, a split of n/2. Balanced, each
-    device computes two half-chunks, (2n+1)·(T/2n)² pairs (whole blocks, the diagonal
-    ones too): a split of 2n²/(2n+1)."""
-    first = strategy.outputs[0] if strategy.outputs else None
-    if first is None:
-        return 1.0
-    split = float(math.prod(size for p, size in zip(first, mesh_shape) if p is not pl.R))
-    if _is_causal(node):
+def causal_imbalance(node: torch.fx.Node, strategy, mesh_shape: tuple[int, ...]) -> float:
+    """What a causal sequence split over n devices keeps of the even split of ``node``'s
+    work (strategies.work_split), as its busiest device sees it; 1 for every other strategy.
+    In contiguous chunks the last device's queries see every key: T²/n of the T²/2 pairs, a
+    split of n/2 (a factor 1/2). Balanced, each device computes two half-chunks,
+    (2n+1)·(T/2n)² pairs (whole blocks, the diagonal ones too): a split of 2n²/(2n+1)
+    (a factor 2n/(2n+1))."""
+    factor = 1.0
+    if node.target is FUSED_ATTENTION and _is_causal(node):
         for d in context_dims(node, strategy):
             n = mesh_shape[d]
             if n > 1:
-                split *= (2 * n / (2 * n + 1) if strategy.exchange == BALANCED_CAUSAL else 0.5)
-    return max(split, 1.0)
+                factor *= 2 * n / (2 * n + 1) if strategy.exchange == BALANCED_CAUSAL else 0.5
+    return factor
 
 
 def balanced_twins(node: torch.fx.Node, strategies: list, mesh_shape: tuple[int, ...]) -> list:

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                         ScheduleInterleavedZeroBubble)
+                                         ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from autopar.plan import Plan
-from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, chunk_group
 from autopar.passes.capture import Captured
 from autopar.passes import runtime
 from autopar.passes.grad_sync import sync_grads
@@ -37,12 +37,13 @@ from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, sp
 
 LANES_ATTR = "_autopar_lanes"
 _SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe, "Interleaved1F1B": ScheduleInterleaved1F1B,
-              "InterleavedZeroBubble": ScheduleInterleavedZeroBubble}
+              "InterleavedZeroBubble": ScheduleInterleavedZeroBubble, "ZBVZeroBubble": ScheduleZBVZeroBubble}
 
 
 class PipelineRuntime:
     """This rank's stages (one, or its ``virtual_stages`` chunks under an interleaved
-    schedule) and the schedule that runs them, micro-batch by micro-batch."""
+    schedule) and the schedule that runs them, micro-batch by micro-batch. Under ZBV the
+    first group holds both the first and the last chunk."""
 
     def __init__(self, modules: dict[int, torch.fx.GraphModule], plan: Plan, lane: dist.ProcessGroup,
                  lane_ranks: list[int], examples: dict[int, tuple[tuple, tuple]], loss_fn: Callable | None,
@@ -54,7 +55,10 @@ class PipelineRuntime:
         schedule = _SCHEDULES[plan.schedule]
         held = stages if plan.virtual_stages > 1 else stages[0]  # multi-stage schedules take the list
         self.schedule = schedule(held, n_microbatches=plan.micro_batches, loss_fn=loss_fn)
-        self.forward_only = schedule(held, n_microbatches=plan.micro_batches)  # no loss: evaluation
+        self.schedule_name, self.micro_batches, self.examples = plan.schedule, plan.micro_batches, examples
+        # no loss: evaluation (torch's ZBV runs its backward actions even so: evaluate_in_turn)
+        self.forward_only = None if plan.schedule in V_SHAPED_SCHEDULES else \
+            schedule(held, n_microbatches=plan.micro_batches)
 
     @property
     def is_first(self) -> bool:
@@ -67,7 +71,9 @@ class PipelineRuntime:
     def train_step(self, inputs: tuple, target) -> torch.Tensor:
         """Forward and backward over all micro-batches; the mean micro-batch loss on every rank."""
         losses: list[torch.Tensor] = []
-        if self.is_first:
+        if self.is_first and self.is_last:
+            self.schedule.step(*inputs, target=target, losses=losses)
+        elif self.is_first:
             self.schedule.step(*inputs)
         elif self.is_last:
             self.schedule.step(target=target, losses=losses)
@@ -82,16 +88,51 @@ class PipelineRuntime:
 
     def evaluate(self, inputs: tuple):
         """Forward only; the full outputs on every rank."""
-        out = self.forward_only.step(*inputs) if self.is_first else self.forward_only.step()
+        if self.forward_only is None:
+            out = self._evaluate_in_turn(inputs)
+        else:
+            out = self.forward_only.step(*inputs) if self.is_first else self.forward_only.step()
         box = [out if self.is_last else None]
         dist.broadcast_object_list(box, src=self.last_rank, group=self.lane)
         return box[0]
 
 
+    @torch.no_grad()
+    def _evaluate_in_turn(self, inputs: tuple):
+        """Forward only, chunk after chunk down the pipeline, one micro-batch at a time: each
+        rank runs its chunks' forwards and hands their outputs on (to the lane's next group, or
+        to itself at ZBV's turn). torch's ZBV cannot run without backwards; evaluation needs
+        no overlap between micro-batches. The outputs (on the last chunk's rank), whole."""
+        groups = self.lane.size()
+        pieces = [x.chunk(self.micro_batches) for x in inputs] if self.is_first else []
+        outputs = []
+        for i in range(self.micro_batches):
+            value = tuple(piece[i] for piece in pieces)
+            for g in range(self.num_stages):
+                if g not in self.modules:
+                    continue
+                if g > 0 and g - 1 not in self.modules:
+                    value = tuple(torch.empty_like(x) for x in self.examples[g][0])
+                    for x in value:
+                        dist.recv(x, group=self.lane, group_src=chunk_group(g - 1, groups, self.schedule_name))
+                value = self.modules[g](*value)
+                value = value if isinstance(value, tuple) else (value,)
+                if g + 1 < self.num_stages and g + 1 not in self.modules:
+                    for x in value:
+                        dist.send(x.contiguous(), group=self.lane, group_dst=chunk_group(g + 1, groups, self.schedule_name))
+            if self.is_last:
+                outputs.append(value)
+        if not self.is_last:
+            return None
+        merged = tuple(torch.cat(parts) for parts in zip(*outputs))
+        return merged[0] if len(merged) == 1 else merged
+
+
 def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None,
                    device_type: str) -> tuple[list[torch.fx.GraphModule], PipelineRuntime]:
     """This rank's stages lowered (one per chunk it holds, in model order), and the runtime
-    that schedules them. Chunk ``g`` runs on the group of stage ``g mod p`` (``p`` groups)."""
+    that schedules them. Chunk ``g`` runs on group ``chunk_group(g, p, schedule)`` (``p``
+    groups: ``g mod p``, or ZBV's V)."""
     p = len(plan.stages) // plan.virtual_stages
     meshes, groups, r, k = group_meshes(plan.stages[:p], device_type)
     meshes += [stage_mesh(st, device_type) for st in plan.stages[p:]]  # chunks may pick other meshes
@@ -104,7 +145,7 @@ def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Ca
     stage_of = assign_stages(gm.graph, layers, first_layers, set(), {})
     pieces = split_graph(gm.graph, stage_of, len(plan.stages), set(), gm._out_spec)
     modules, examples = {}, {}
-    for g in range(r, len(plan.stages), p):
+    for g in (g for g in range(len(plan.stages)) if chunk_group(g, p, plan.schedule) == r):
         modules[g], examples[g] = _lower_stage(gm, pieces[g].graph, g, plan, meshes[g], owner_meshes[g],
                                                lane_meshes[r], model, captured)
     runtime = PipelineRuntime(modules, plan, groups[k], [st.ranks[k] for st in plan.stages], examples, loss_fn,

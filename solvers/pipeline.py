@@ -101,7 +101,14 @@ def partition(num_layers: int, num_stages: int, micro_batches: int,
     return best
 
 
-def interleaved_step_time(chunks: list[StageTime], ranks: int, micro_batches: int) -> float:
+def _on_rank(chunks: list[StageTime], ranks: int, groups: list[int] | None, r: int) -> list[StageTime]:
+    """The chunks rank ``r`` runs: every ``ranks``-th (torch's loop placement) unless
+    ``groups`` gives each chunk's rank (ZBV's V)."""
+    return chunks[r::ranks] if groups is None else [st for st, g in zip(chunks, groups) if g == r]
+
+
+def interleaved_step_time(chunks: list[StageTime], ranks: int, micro_batches: int,
+                          groups: list[int] | None = None) -> float:
     """Interleaved 1F1B step time: ``chunks`` are the ``p · v`` virtual stages in model order,
     chunk ``g`` on rank ``g mod p`` (``v`` chunks per rank, torch's loop placement).
 
@@ -113,19 +120,21 @@ def interleaved_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
     step is ``(m·v + p − 1)·c`` and the bubble ``(p − 1)/(m·v + p − 1)``, ``v`` times smaller
     than 1F1B's (Narayanan et al. 2021). As under 1F1B, at most ``p`` micro-batches make the
     round trip through every chunk and link at once (the second term of ``P``). With
-    ``v = 1`` this is :func:`step_time` under 1F1B exactly."""
+    ``v = 1`` this is :func:`step_time` under 1F1B exactly. ``groups``: each chunk's rank
+    when it is not ``g mod p`` (ZBV's V; its fill is the same ``p`` chunks down one arm)."""
     v = len(chunks) // ranks
     if v < 1 or len(chunks) % ranks:
         raise ValueError(f"{len(chunks)} chunks do not spread evenly over {ranks} ranks")
     if any(math.isinf(st.total_s) or math.isinf(st.pace) for st in chunks):
         return math.inf
     fill = sum(st.total_s for st in chunks[:ranks])
-    per_rank = max(sum(st.pace for st in chunks[r::ranks]) for r in range(ranks))
+    per_rank = max(sum(st.pace for st in _on_rank(chunks, ranks, groups, r)) for r in range(ranks))
     pace = max(per_rank, sum(st.total_s for st in chunks) / ranks)
     return fill + (micro_batches - 1 / v) * pace
 
 
-def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: int) -> float:
+def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: int,
+                          groups: list[int] | None = None) -> float:
     """Interleaved zero-bubble step time (torch's ``ScheduleInterleavedZeroBubble``, ZB1P of
     Qi et al. 2024): the backward splits into input gradients, which the previous stage waits
     for, and weight gradients ``W``, which wait for nothing and fill the idle slots. Against
@@ -138,13 +147,20 @@ def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
     — no rank finishes before the first micro-batch's forwards reach it (``F`` = ``W``: a
     matmul's forward costs as much as its weight gradient) and it has done all its work: where
     one rank is much busier than the others there is no bubble on it for ``W`` to fill.
+
+    ZBV (``groups`` in a V: torch's ``ScheduleZBVZeroBubble``, two chunks per rank) hides
+    ``3·W`` per rank crossed, ``(p − 1)(F + B − 2W)`` in the paper's terms (its section 6):
+    the turn of the V needs no hand-over, so the last rank starts its backwards a forward
+    earlier. With equal chunks both reach the floor; they differ in what they hold in flight
+    (autopar.planning.schedules.Layout.in_flight) and with uneven chunks.
     """
-    interleaved = interleaved_step_time(chunks, ranks, micro_batches)
+    interleaved = interleaved_step_time(chunks, ranks, micro_batches, groups)
     if math.isinf(interleaved):
         return math.inf
-    hidden = 2 * (ranks - 1) / ranks * sum(st.deferrable_s for st in chunks[:ranks])
-    floor = max(sum(st.deferrable_s for st in chunks[:r]) + micro_batches * sum(st.pace for st in chunks[r::ranks])
-                for r in range(ranks))
+    per_hop = 2 if groups is None else 3
+    hidden = per_hop * (ranks - 1) / ranks * sum(st.deferrable_s for st in chunks[:ranks])
+    floor = max(sum(st.deferrable_s for st in chunks[:r])
+                + micro_batches * sum(st.pace for st in _on_rank(chunks, ranks, groups, r)) for r in range(ranks))
     return max(interleaved - hidden, floor)
 
 
@@ -198,11 +214,50 @@ def interleaved_order(rank: int, ranks: int, virtual: int, micro_batches: int,
     return order
 
 
+def zbv_order(rank: int, ranks: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """The (``"F"``/``"B"``, chunk, micro-batch) operations of ``rank`` in the order torch's
+    ZBV schedule runs them (weight gradients left out: a simulator runs them where it finds
+    idle time). The rank holds chunk ``rank`` on the way down the V and chunk
+    ``2p − 1 − rank`` on the way up: it fills with forwards of its first chunk (more the
+    nearer the top), then of both in turn, starts the backwards once the first micro-batch
+    has come back up to it, then alternates a forward and a backward of each chunk, and
+    drains the backwards.
+
+    >>> zbv_order(1, 2, 2)
+    [('F', 1, 0), ('F', 2, 0), ('F', 1, 1), ('F', 2, 1), ('B', 2, 0), ('B', 1, 0), ('B', 2, 1), ('B', 1, 1)]
+    """
+    down, up = rank, 2 * ranks - 1 - rank
+    counts = {("F", down): 0, ("F", up): 0, ("B", down): 0, ("B", up): 0}
+    order: list[tuple[str, int, int]] = []
+
+    def run(kind: str, chunk: int) -> None:
+        i = counts[(kind, chunk)]
+        if i < micro_batches:
+            order.append((kind, chunk, i))
+        counts[(kind, chunk)] = i + 1
+
+    def phase(times: int, *ops: tuple[str, int]) -> None:
+        for _ in range(times):
+            for kind, chunk in ops:
+                run(kind, chunk)
+
+    steps = max(2 * ranks - 1, micro_batches)  # torch plans the schedule for at least this many
+    phase(2 * (ranks - rank) - 1, ("F", down))  # warm-up
+    phase(rank, ("F", up), ("F", down))
+    phase(ranks - rank, ("F", up), ("B", up))
+    while counts[("F", up)] < counts[("F", down)] or counts[("F", down)] < steps:  # steady
+        phase(int(counts[("F", down)] < steps), ("F", down))
+        phase(1, ("B", down), ("F", up), ("B", up))
+    phase(rank, ("B", down), ("B", up))  # drain
+    phase(ranks - rank, ("B", down))
+    return order
+
+
 def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batches: int,
                           stage_time: Callable[[int, int, int], StageTime],
                           per_rank: list[int] | None = None,
-                          step: Callable[[list[StageTime], int, int], float] = interleaved_step_time,
-                          max_cuts: int = EXHAUSTIVE_CUTS) -> PipelineSolution | None:
+                          step: Callable[..., float] = interleaved_step_time,
+                          max_cuts: int = EXHAUSTIVE_CUTS, groups: list[int] | None = None) -> PipelineSolution | None:
     """A cut of ``[0, num_layers)`` into ``ranks · virtual`` chunks for interleaved 1F1B
     (:func:`interleaved_step_time`); ``stage_time(i, j, g)`` is chunk ``g`` over layers
     ``[i, j)``; ``step`` the schedule's time (:func:`interleaved_step_time`, or
@@ -212,7 +267,8 @@ def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batch
     memory carry), each rank's layers split evenly over its chunks; the best by ``step``
     wins. The planner passes ``max_cuts=0``: there each new chunk is an ILP of its own, and
     every cut of an 8-layer stack into 4 chunks made interleaving cost more planning time
-    than all of 1F1B's. None when no cut tried fits."""
+    than all of 1F1B's. ``groups``: each chunk's rank when it is not ``g mod p`` (ZBV's V;
+    ``step`` then takes them too). None when no cut tried fits."""
     chunks = ranks * virtual
     if virtual < 1 or num_layers < chunks:
         return None
@@ -221,13 +277,14 @@ def partition_interleaved(num_layers: int, ranks: int, virtual: int, micro_batch
     else:
         candidates = [_equal_cut(num_layers, chunks)]
         if per_rank is not None and all(n >= virtual for n in per_rank) and sum(per_rank) == num_layers:
-            candidates.append(_cut_of([size for c in range(virtual) for size in
-                                       (n // virtual + (c < n % virtual) for n in per_rank)]))
+            rank_of = groups or [g % ranks for g in range(chunks)]
+            candidates.append(_cut_of([per_rank[r] // virtual + (g // ranks < per_rank[r] % virtual)
+                                       for g, r in enumerate(rank_of)]))
     best: PipelineSolution | None = None
     for cuts in dict.fromkeys(tuple(c) for c in candidates):
         bounds = [0, *cuts, num_layers]
         times = [stage_time(bounds[g], bounds[g + 1], g) for g in range(chunks)]
-        total = step(times, ranks, micro_batches)
+        total = step(times, ranks, micro_batches) if groups is None else step(times, ranks, micro_batches, groups)
         if math.isfinite(total) and (best is None or total < best.step_s * (1 - 1e-12)):
             best = PipelineSolution(tuple(cuts), tuple(t.total_s for t in times), total)
     return best

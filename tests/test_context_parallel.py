@@ -16,9 +16,9 @@ from autopar.mesh import mesh_for_shape
 from autopar.cluster import Cluster
 from autopar.passes.capture import capture
 from autopar.passes.context_parallel import (
-    BALANCED_CAUSAL, SEQUENCE_SPLIT, attention_work_split, gathered_kv_bytes, kv_exchange_s)
+    BALANCED_CAUSAL, SEQUENCE_SPLIT, causal_imbalance, gathered_kv_bytes, kv_exchange_s)
 from autopar.passes.cost import FUSED_ATTENTION
-from autopar.passes.strategies import STRATEGIES_KEY, enumerate_strategies
+from autopar.passes.strategies import STRATEGIES_KEY, enumerate_strategies, work_split
 from autopar.placements import R
 from autopar.report import mesh_dim_roles, summary
 from distributed import run_world
@@ -61,8 +61,9 @@ def test_causal_chunks_cost_the_busiest_device(devices):
     x = torch.randn(1, 64, 32)
     causal = _attention(GQAttention(heads=4, kv_heads=1), (x,), (devices,))
     full = _attention(GQAttention(heads=4, kv_heads=1, causal=False), (x,), (devices,))
-    assert attention_work_split(causal, _sequence_strategy(causal), (devices,)) == devices / 2
-    assert attention_work_split(full, _sequence_strategy(full), (devices,)) == devices
+    assert work_split(_sequence_strategy(causal), (devices,)) * \
+        causal_imbalance(causal, _sequence_strategy(causal), (devices,)) == devices / 2
+    assert causal_imbalance(full, _sequence_strategy(full), (devices,)) == 1.0
     mesh = mesh_for_shape(Cluster.from_spec(f"{devices}xH100"), (devices,))
     kv_bytes = 2 * 64 * 8 * 4  # keys and values: 64 positions × 8 wide × fp32
     link = mesh.links[0]
@@ -75,7 +76,8 @@ def test_causal_chunks_cost_the_busiest_device(devices):
     # balanced: halves j and 2n-1-j on device j, (2n+1)/(4n²) of the pairs each; the query
     # halves and their outputs travel both ways, forward and backward
     balanced = _sequence_strategy(causal, BALANCED_CAUSAL)
-    assert attention_work_split(causal, balanced, (devices,)) == pytest.approx(2 * devices ** 2 / (2 * devices + 1))
+    assert work_split(balanced, (devices,)) * causal_imbalance(causal, balanced, (devices,)) == \
+        pytest.approx(2 * devices ** 2 / (2 * devices + 1))
     query_bytes = 64 * 32 * 4 // devices
     assert kv_exchange_s(causal, balanced, mesh) - exchange == pytest.approx(
         4 * (query_bytes / link.bandwidth_Bps + 2 * link.latency_s) / link.efficiency("all_to_all"))

@@ -9,15 +9,16 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, _ComputationType
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.plan_types import chunk_group
 from autopar.solvers.pipeline import (StageTime, interleaved_order, interleaved_step_time, partition_interleaved,
-                                      step_time, zero_bubble_step_time)
+                                      step_time, zbv_order, zero_bubble_step_time)
 from autopar.timeline import schedule_spans
 from distributed import run_world
-from pipeline_equivalence import check_pipeline
+from pipeline_equivalence import check_pipelines
 
 
 def _torch_order(rank: int, ranks: int, virtual: int, micro_batches: int) -> list[tuple[str, int, int]]:
@@ -41,12 +42,33 @@ def test_the_simulated_order_is_torchs_interleaved_1f1b():
                     (ranks, virtual, m, rank)
 
 
+def test_the_simulated_order_is_torchs_zbv():
+    """Forwards and input gradients in the order torch's ScheduleZBVZeroBubble runs them
+    (its weight gradients are the simulator's to place), also with fewer micro-batches than
+    its warm-up wants (torch then drops the missing ones)."""
+    for ranks, m in itertools.product((2, 3, 4), (1, 2, 3, 4, 6, 8, 9)):
+        fields = SimpleNamespace(pp_group_size=ranks, num_stages=2 * ranks, _n_microbatches=m)
+        for rank in range(ranks):
+            actions = ScheduleZBVZeroBubble._calculate_single_rank_operations(fields, rank)
+            torch_order = [("F" if a.computation_type == _ComputationType.FORWARD else "B", a.stage_index,
+                            a.microbatch_index) for a in actions
+                           if a is not None and a.computation_type != _ComputationType.BACKWARD_WEIGHT]
+            assert zbv_order(rank, ranks, m) == torch_order, (ranks, m, rank)
+            assert {chunk_group(g, ranks, "ZBVZeroBubble") for _, g, _ in torch_order} == {rank}
+
+
 def test_interleaved_time_shrinks_the_bubble_and_is_1f1b_with_one_chunk():
     chunk = StageTime(3.0, deferrable_s=1.0)  # F = B = W = 1
     for p, v, m in itertools.product((2, 4), (1, 2, 4), (4, 8)):
         assert interleaved_step_time([chunk] * (p * v), p, m) == pytest.approx((m * v + p - 1) * 3.0)
         # zero bubble: the weight gradients fill the bubble, (p − 1)(F + B − W) is left
         assert zero_bubble_step_time([chunk] * (p * v), p, m) == pytest.approx(m * v * 3.0 + (p - 1) * 1.0)
+    for p, m in itertools.product((2, 4), (4, 8)):  # ZBV: the same floor with equal chunks ...
+        v_groups = [chunk_group(g, p, "ZBVZeroBubble") for g in range(2 * p)]
+        assert zero_bubble_step_time([chunk] * (2 * p), p, m, v_groups) == pytest.approx(m * 2 * 3.0 + (p - 1) * 1.0)
+    # ... and less where the turn's hand-over is free: the middle chunks on one group send nothing
+    uneven = [StageTime(3.5, 3.0, 1.0), StageTime(3.0, 3.0, 1.0), StageTime(3.5, 3.0, 1.0), StageTime(3.0, 3.0, 1.0)]
+    assert zero_bubble_step_time(uneven, 2, 4, [0, 1, 1, 0]) < zero_bubble_step_time(uneven, 2, 4)
     rng = random.Random(0)
     for _ in range(50):
         p, m = rng.randint(1, 4), rng.randint(1, 9)
@@ -54,19 +76,26 @@ def test_interleaved_time_shrinks_the_bubble_and_is_1f1b_with_one_chunk():
         assert interleaved_step_time(stages, p, m) == pytest.approx(step_time(stages, m, in_flight=p))
 
 
-@pytest.mark.parametrize("step", [interleaved_step_time, zero_bubble_step_time])
-def test_interleaved_cut_equals_brute_force_on_random_costs(step):
+@pytest.mark.parametrize("step,schedule", [(interleaved_step_time, "Interleaved1F1B"),
+                                           (zero_bubble_step_time, "InterleavedZeroBubble"),
+                                           (zero_bubble_step_time, "ZBVZeroBubble")])
+def test_interleaved_cut_equals_brute_force_on_random_costs(step, schedule):
     rng = random.Random(1)
     for _ in range(40):
         ranks, virtual, m = rng.randint(1, 3), rng.randint(2, 3), rng.choice([2, 4, 6])
+        virtual = 2 if schedule == "ZBVZeroBubble" else virtual
+        groups = [chunk_group(g, ranks, schedule) for g in range(ranks * virtual)] if schedule == "ZBVZeroBubble" \
+            else None
+        timed = step if groups is None else (lambda times, p, mb: step(times, p, mb, groups))
         layers = rng.randint(ranks * virtual, ranks * virtual + 3)
         chunks = ranks * virtual
         table = {(i, j, g): StageTime(*((float("inf"), None) if rng.random() < 0.1 else
                                         (rng.uniform(1, 3), rng.choice([None, rng.uniform(0.1, 1)]),
                                          rng.uniform(0, 0.3))))
                  for i in range(layers) for j in range(i + 1, layers + 1) for g in range(chunks)}
-        found = partition_interleaved(layers, ranks, virtual, m, lambda i, j, g: table[(i, j, g)], step=step)
-        best = min((step([table[(b[g], b[g + 1], g)] for g in range(chunks)], ranks, m)
+        found = partition_interleaved(layers, ranks, virtual, m, lambda i, j, g: table[(i, j, g)], step=step,
+                                      groups=groups)
+        best = min((timed([table[(b[g], b[g + 1], g)] for g in range(chunks)], ranks, m)
                     for cuts in itertools.combinations(range(1, layers), chunks - 1)
                     for b in [(0, *cuts, layers)]), default=float("inf"))
         if best == float("inf"):
@@ -105,6 +134,19 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(row, row[1:]))
         first_b = min(start for start, _, kind, _ in row if kind == "B")
         assert all(start >= first_b for start, _, kind, _ in row if kind == "W")
+    zbv = autopar.plan(model, (tokens,), cluster="2x1xcpu", pipeline=True, schedule="ZBVZeroBubble", micro_batches=4)
+    assert (zbv.schedule, zbv.virtual_stages) == ("ZBVZeroBubble", 2)
+    assert [st.group for st in zbv.stages] == ["host0", "host1", "host1", "host0"]  # the V
+    assert [[st.layers for st in chunks] for chunks in zbv.stage_groups()] == \
+        [[("blocks.0",), ("blocks.3",)], [("blocks.1",), ("blocks.2",)]]
+    assert zbv.stages[1].send_s == 0 and zbv.stages[0].send_s > 0  # the turn stays on host1
+    assert zbv.bubble == pytest.approx(1 / (3 * 4 * 2 + 1))
+    assert zbv.predicted_step_s < zero_bubble.predicted_step_s  # one hand-over fewer per micro-batch
+    for row in schedule_spans(zbv):
+        assert len(row) == 3 * 4 * 2 and all(a[1] <= b[0] + 1e-12 for a, b in zip(row, row[1:]))
+    assert Plan.from_json(zbv.to_json()) == zbv
+    with pytest.raises(AutoparError, match="virtual_stages"):
+        Plan.from_json(dataclasses.replace(zbv, virtual_stages=4).to_json())
     again = Plan.from_json(interleaved.to_json())
     assert again == interleaved and again.virtual_stages == 2
     with pytest.raises(AutoparError, match="virtual_stages"):
@@ -118,20 +160,24 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
 
 @pytest.mark.distributed
 def test_interleaved_and_three_stage_pipelines_train_like_one_process():
-    """Interleaved zero bubble on 2 ranks (2 chunks each, 4 micro-batches); interleaved 1F1B
-    and zero bubble on 4 (2 stages × 2 devices, 2 chunks each, boundaries sliced by lane, the
-    stages' weights split over their 2 devices); 1F1B over 3 stages: loss, gradients (every
-    step), parameters after SGD steps and evaluation outputs match the single-process model."""
-    cases = [(2, "2x1xcpu", 4, 3, 4, 8, "InterleavedZeroBubble"), (4, "2x2xcpu", 2, 2, 4, 8, "Interleaved1F1B"),
-             (4, "2x2xcpu", 2, 2, 4, 8, "InterleavedZeroBubble"), (3, "3x1xcpu", 3, 2, 6, 6, "1F1B")]
-    for world, *case in cases:
-        result = run_world(world, check_pipeline, *case)
-        assert result["all_params_covered"], result
-        assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
-        assert result["output"] < 2e-6, result
+    """Interleaved zero bubble and ZBV on 2 ranks (2 chunks each, 4 micro-batches; ZBV's
+    first rank holds the first and the last chunk); interleaved 1F1B, zero bubble and ZBV on 4
+    (2 stages × 2 devices, 2 chunks each, boundaries sliced by lane, the stages' weights split
+    over their 2 devices); 1F1B over 3 stages: loss, gradients (every step), parameters after
+    SGD steps and evaluation outputs match the single-process model."""
+    worlds = {2: [("2x1xcpu", 4, 3, 4, 8, "InterleavedZeroBubble"), ("2x1xcpu", 4, 3, 4, 8, "ZBVZeroBubble")],
+              4: [("2x2xcpu", 2, 2, 4, 8, "Interleaved1F1B"), ("2x2xcpu", 2, 2, 4, 8, "InterleavedZeroBubble"),
+                  ("2x2xcpu", 2, 2, 4, 8, "ZBVZeroBubble")],
+              3: [("3x1xcpu", 3, 2, 6, 6, "1F1B")]}
+    results = [(world, case, result) for world, cases in worlds.items()
+               for case, result in zip(cases, run_world(world, check_pipelines, cases))]
+    for world, case, result in results:
+        assert result["all_params_covered"], (case, result)
+        assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, (case, result)
+        assert result["output"] < 2e-6, (case, result)
         if case[-1] != "1F1B":
-            assert result["stages"] == [["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"]], result
-            assert result["sliced"] == (world == 4), result
+            assert result["stages"] == [["blocks.0"], ["blocks.1"], ["blocks.2"], ["blocks.3"]], (case, result)
+            assert result["sliced"] == (world == 4), (case, result)
         else:
             assert len(result["stages"]) == 3, result
 

@@ -8,7 +8,7 @@ replicas their batch split); nothing is threaded through keyword arguments any m
 >>> PlanOptions(schedule="zigzag")
 Traceback (most recent call last):
 ...
-autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of auto, 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble
+autopar.errors.AutoparError: [BAD_INPUT] unknown schedule 'zigzag'; choose one of auto, 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
 """
 
 from __future__ import annotations

@@ -294,9 +294,12 @@ class _StageCosts:
 
     def _send_s(self, vals: list[torch.Tensor], s: int, t: int) -> tuple[float, float]:
         """Boundary tensors of a stage on group ``s`` to the next on group ``t``, and their
-        gradients back, per micro-batch: each lane sends its slice (whole where no dim divides
-        evenly), lanes crossing a WAN link share it, and the receiving group all-gathers the
-        slices (the sending group gathers the gradients' slices in backward). Returns (busy, latency)."""
+        gradients back, per micro-batch (nothing on one group: ZBV's turn): each lane sends its
+        slice (whole where no dim divides evenly), lanes crossing a WAN link share it, and the
+        receiving group all-gathers the slices (the sending group gathers the gradients' slices
+        in backward). Returns (busy, latency)."""
+        if s == t:  # the turn of ZBV's V: the next chunk is on the same devices
+            return 0.0, 0.0
         here, there = self.groups[s], self.groups[t]
         lanes = len(here.ranks)
         link = self.cluster.link_between(here, there)

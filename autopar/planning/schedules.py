@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.errors import AutoparError, ErrorKind
-from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES
+from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, chunk_group
 from autopar.solvers.pipeline import (PipelineSolution, StageTime, bubble, interleaved_bubble, interleaved_step_time,
                                       interleaved_warmup, partition, partition_interleaved, step_time,
                                       zero_bubble_step_time)
@@ -19,8 +19,8 @@ from autopar.solvers.pipeline import (PipelineSolution, StageTime, bubble, inter
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a schedule lays stages on ``ranks`` device groups: ``virtual`` chunks of layers per
-    group (interleaved 1F1B: chunk ``g`` on group ``g mod ranks``; otherwise 1), and what each
-    chunk holds in flight and may use of its devices' memory."""
+    group (interleaved 1F1B: chunk ``g`` on group ``g mod ranks``; ZBV: two per group, in a
+    V; otherwise 1), and what each chunk holds in flight and may use of its devices' memory."""
 
     schedule: str
     ranks: int
@@ -31,19 +31,33 @@ class Layout:
         """Weight gradients deferred into the bubbles (the backward split in two)."""
         return self.schedule in SPLIT_BACKWARD_SCHEDULES
     @property
+    def v_shaped(self) -> bool:
+        return self.schedule in V_SHAPED_SCHEDULES
+
+    @property
     def chunks(self) -> int:
         return self.ranks * self.virtual
 
     def group_of(self, g: int) -> int:
-        return g % self.ranks
+        return chunk_group(g, self.ranks, self.schedule)
+
+    @property
+    def _groups(self) -> list[int] | None:
+        """Each chunk's group when it is not ``g mod ranks`` (the V), for the solvers."""
+        return [self.group_of(g) for g in range(self.chunks)] if self.v_shaped else None
 
     def in_flight(self, g: int, micro_batches: int) -> int:
         """Micro-batches whose activations chunk ``g`` holds at once: every one under GPipe;
         under 1F1B the stages from it to the last; under interleaved 1F1B its rank's warm-up
         forwards and one more (torch's ScheduleInterleaved1F1B; the zero-bubble schedule warms up
-        less), shared by the rank's chunks."""
+        less), shared by the rank's chunks; under ZBV (torch's ScheduleZBVZeroBubble) the down
+        chunk its ``2p − r − 1`` warm-up forwards, the up chunk ``r + 1`` — ``2p`` chunks, the
+        ``p`` micro-batches of a whole stage 1F1B's first stage holds."""
         if self.schedule == "GPipe":
             return micro_batches
+        if self.v_shaped:  # down the V: its warm-up forwards; up: one per rank above it
+            rank = self.group_of(g)
+            return min(micro_batches, 2 * self.ranks - rank - 1 if g < self.ranks else rank + 1)
         if self.virtual == 1:
             return min(self.ranks - g, micro_batches)
         warmup = interleaved_warmup(self.group_of(g), self.ranks, self.virtual, micro_batches,
@@ -62,7 +76,7 @@ class Layout:
             sizes = None if plain is None else \
                 [b - a for a, b in zip((0, *plain.cuts), (*plain.cuts, num_layers))]
             return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes,
-                                         step=self._interleaved_step, max_cuts=0)
+                                         step=self._interleaved_step, max_cuts=0, groups=self._groups)
         # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
         return partition(num_layers, self.ranks, micro_batches, timer, in_flight=self._round_trip)
 
@@ -78,7 +92,7 @@ class Layout:
 
     def step_s(self, times: list[StageTime], micro_batches: int) -> float:
         if self.virtual > 1:
-            return self._interleaved_step(times, self.ranks, micro_batches)
+            return self._interleaved_step(times, self.ranks, micro_batches, self._groups)
         return step_time(times, micro_batches, in_flight=self._round_trip)
 
     def bubble(self, micro_batches: int) -> float:
@@ -91,7 +105,8 @@ class Layout:
 
 # virtual stages per group interleaved schedules try (torchtitan and Megatron use a few per rank)
 VIRTUAL_STAGES = (2, 4)
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble")  # schedules with chunks of layers per group
+# schedules with chunks of layers per group; ZBV's V has exactly two
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", *V_SHAPED_SCHEDULES)
 AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES = "InterleavedZeroBubble", (2,)  # what schedule="auto" adds to 1F1B
 
 
@@ -102,15 +117,17 @@ def schedule_layouts(schedule: str, ranks: int, layers: int, micro_batches: int)
     shallower warm-up), and each extra layout plans every chunk again (trying all four
     doubled planning time on the H100 + A100 scenario of benchmarks/hetero.py). Interleaved
     ones need a layer per chunk and, as torch's interleaved schedules, a whole number of
-    micro-batches per round (``m`` divisible by ``max(1, m // ranks)``)."""
+    micro-batches per round (``m`` divisible by ``max(1, m // ranks)``); ZBV two chunks per
+    group and any ``m``."""
     plain = [Layout(schedule, ranks)] if schedule in ("1F1B", "GPipe") else [Layout("1F1B", ranks)] \
         if schedule == "auto" else []
     if schedule not in ("auto", *INTERLEAVED):
         return plain
     rounds = max(1, micro_batches // ranks)
-    tried = [(AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES)] if schedule == "auto" else [(schedule, VIRTUAL_STAGES)]
+    tried = [(AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES)] if schedule == "auto" else \
+        [(schedule, (2,) if schedule in V_SHAPED_SCHEDULES else VIRTUAL_STAGES)]
     interleaved = [Layout(name, ranks, v) for name, counts in tried for v in counts
-                   if ranks * v <= layers and micro_batches % rounds == 0]
+                   if ranks * v <= layers and (micro_batches % rounds == 0 or name in V_SHAPED_SCHEDULES)]
     if schedule != "auto" and not interleaved:
         raise AutoparError(ErrorKind.BAD_INPUT, f"{schedule} puts {VIRTUAL_STAGES[0]} or more chunks of layers on "
                            f"each of the {ranks} stages' devices: the model's {layers} layers are too few; use "

@@ -198,7 +198,7 @@ def test_an_internal_error_is_one_line_and_exit_1_with_the_traceback_on_request(
     def broken(args):
         raise RuntimeError("a bug\nsecond line")
 
-    monkeypatch.setattr(cli, "_cmd_devices", broken)
+    monkeypatch.setattr(cli, "cmd_devices", broken)  # what build_parser wires to "devices"
     monkeypatch.delenv("AUTOPAR_DEBUG", raising=False)
     assert cli.main(["devices"]) == 1
     err = capsys.readouterr().err
@@ -304,7 +304,7 @@ def test_every_node_of_the_readme_gpt_plan_explains_at_least_two_alternatives():
     import sys
 
     import autopar as package
-    from autopar.report import explain, explain_text
+    from autopar.plan_diff import explain, explain_text
 
     sys.path.insert(0, os.path.join(HERE, os.pardir))
     from examples.gpt import build
@@ -444,7 +444,7 @@ def test_an_archive_of_fixed_shapes_says_so(tmp_path, monkeypatch, capsys):
 
 def test_explain_and_diff_on_names_and_plans_that_do_not_match():
     import autopar as package
-    from autopar.report import diff, diff_text, explain
+    from autopar.plan_diff import diff, diff_text, explain
 
     plan = package.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100")
     with pytest.raises(KeyError, match="similar: addmm"):

@@ -108,9 +108,10 @@ def test_mutated_plan_files(tmp_path_factory, data):
         loaded = autopar.load_plan(str(file))
     except AutoparError:
         return
-    from autopar.cli import summary_json
+    from autopar.cli_commands import summary_json
     from autopar.html_report import render
-    from autopar.report import explain, summary
+    from autopar.plan_diff import explain
+    from autopar.report import summary
     summary_json(loaded), summary(loaded), render(loaded)  # a plan that loads also shows
     for node in list(loaded.nodes)[:3]:
         explain(loaded, node)

@@ -21,7 +21,8 @@ Bottom to top, each layer and what it may import from the project:
             autopar.parallel
   planning  autopar.planning, autopar.planning.*           all but the face
   face      autopar (the package), autopar.{api, cli, cli_args,     anything
-            model_files, report, html_report, profile, trace}
+            cli_commands, model_files, report, plan_diff, html_report,
+            profile, trace}
 
 Where the less obvious modules sit, and why:
   * autopar.parallel (ParallelModule, what lowering returns) is lowering/runtime: it is the
@@ -63,8 +64,8 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "attention_runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe")} | {"autopar.parallel"}
-FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "model_files", "report", "html_report",
-                                                "profile", "timeline", "trace")}
+FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "cli_commands", "model_files",
+                                                "report", "plan_diff", "html_report", "profile", "timeline", "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {

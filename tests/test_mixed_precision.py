@@ -127,7 +127,7 @@ def test_a_model_already_in_bf16_plans_without_a_policy_and_with_one():
 
 
 def test_show_and_json_name_the_policy(tmp_path):
-    from autopar.cli import summary_json
+    from autopar.cli_commands import summary_json
     from autopar.report import summary
 
     model, x = _gpt()

@@ -293,7 +293,7 @@ def test_faster_group_gets_proportionally_more_layers(tmp_path):
     assert len(fast.layers) > len(slow.layers)
     assert abs((len(fast.layers) / len(slow.layers)) / speed - 1) <= 0.15, (len(fast.layers), len(slow.layers), speed)
     # each stage is one device: explain says the candidates there are one tensor, not "costlier elsewhere"
-    from autopar.report import explain, explain_text
+    from autopar.plan_diff import explain, explain_text
 
     matmul = next(name for name, node in plan.nodes.items() if node.op == "aten.addmm.default" and node.stage == 1)
     shown = explain(plan, matmul)

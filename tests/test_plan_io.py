@@ -117,7 +117,7 @@ def test_diff_compares_placements_by_meaning():
     """Replicated on a 1-D mesh and on a 2-D one is no change; a shard is."""
     import dataclasses
 
-    from autopar.report import diff
+    from autopar.plan_diff import diff
 
     plan = autopar.plan(MLP(), (torch.randn(8, 16),), cluster="2xH100", configuration="ddp")
     whole = {k: dataclasses.replace(v, placement="R,R") for k, v in plan.parameters.items()}

@@ -80,7 +80,7 @@ def test_a_lower_limit_recomputes_first_where_that_beats_sharding_more():
 
 
 def test_options_and_reports_say_what_is_recomputed():
-    from autopar.cli import summary_json
+    from autopar.cli_commands import summary_json
     from autopar.report import summary
 
     model, x = _gpt(layers=2)

@@ -187,7 +187,7 @@ def test_json_names_each_mesh_dims_role_and_the_schedule():
     import torch
 
     import models
-    from autopar.cli import summary_json
+    from autopar.cli_commands import summary_json
 
     model = models.GPT(vocab=64, layers=2)
     tokens = torch.randint(0, 64, (8, 16))

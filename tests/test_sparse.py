@@ -14,7 +14,7 @@ from torch import nn
 
 import autopar
 import models
-from autopar.cli import summary_json
+from autopar.cli_commands import summary_json
 from autopar.cluster import Cluster
 from autopar.comm import all_to_all_s
 from autopar.mesh import checked_mesh

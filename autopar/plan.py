@@ -158,16 +158,25 @@ class StagePlan:
     send_s: float
     in_flight: int  # micro-batches whose activations the stage holds at once (1F1B: stages after it + 1)
     memory: MemoryBreakdown
+    # of the compute, the weight gradients (passes.weight_gradients), which zero-bubble schedules
+    # run in the bubbles; None in plans made before they were costed (read as a third)
+    weight_grad_s: float | None = None
 
     @property
     def busy_s(self) -> float:
         """Time its devices compute per micro-batch (what imbalance compares)."""
         return self.compute_s
 
+    @property
+    def weight_gradients_s(self) -> float:
+        """:attr:`weight_grad_s`, or a third of the compute in plans made before it."""
+        return self.compute_s / 3 if self.weight_grad_s is None else self.weight_grad_s
+
     @classmethod
     def from_json(cls, d: dict) -> "StagePlan":
         return cls(d["group"], d["device"], tuple(d["ranks"]), tuple(d["mesh_shape"]), tuple(d["mesh_dim_names"]),
-                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]))
+                   tuple(d["layers"]), d["compute_s"], d["send_s"], d["in_flight"], MemoryBreakdown(**d["memory"]),
+                   d.get("weight_grad_s"))
 
 
 @dataclass(frozen=True)

@@ -21,16 +21,18 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
     1F1B: stage s runs ``p − s − 1`` warm-up forwards, then alternates one forward and one
     backward, then drains; GPipe: all forwards, then all backwards; interleaved 1F1B: torch's
     order (solvers.pipeline.interleaved_order); interleaved zero bubble: the same skeleton
-    with its shorter warm-up, each backward split into the input gradients ("B", half of it,
-    what the previous stage waits for) and the weight gradients ("W", the other half), which
-    run in the first idle time after their "B" that holds them, else at the end; ZBV: torch's
+    with its shorter warm-up, each backward split into the input gradients ("B", what the
+    previous stage waits for) and the weight gradients ("W", the stage's
+    ``weight_gradients_s``), which run in the first idle time after their "B" that holds
+    them, else at the end; ZBV: torch's
     order (solvers.pipeline.zbv_order), its weight gradients run the same way.
     """
     chunks, m, v = len(plan.stages), plan.micro_batches, plan.virtual_stages
     p = chunks // v
     zero_bubble = plan.schedule in SPLIT_BACKWARD_SCHEDULES
     fwd = [st.compute_s / 3 for st in plan.stages]
-    bwd = [(1 if zero_bubble else 2) * st.compute_s / 3 for st in plan.stages]  # zero bubble: input gradients
+    # zero bubble: the input gradients; the weight gradients (StagePlan.weight_gradients_s) wait
+    bwd = [2 * st.compute_s / 3 - (st.weight_gradients_s if zero_bubble else 0.0) for st in plan.stages]
     send = [st.send_s / 2 for st in plan.stages]  # one way
     per_hop = 1 if zero_bubble else 2
     orders = [zbv_order(r, p, m) if plan.schedule in V_SHAPED_SCHEDULES else
@@ -57,7 +59,7 @@ def schedule_spans(plan: Plan) -> list[list[tuple[float, float, str, int]]]:
             done[(kind, g, i)] = clock[r] = end
             spans[r].append((start, end, kind, i))
             if zero_bubble and kind == "B":
-                deferred[r].append((end, plan.stages[g].compute_s / 3, i))
+                deferred[r].append((end, plan.stages[g].weight_gradients_s, i))
             position[r] += 1
             progressed = True
         if not progressed:  # cannot happen for these schedules; guard against an endless loop

@@ -60,7 +60,7 @@ OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "context_parallel", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",
     "build_problem", "node_memory", "reshard_cost", "sparse", "stack_experts", "stages", "strategies", "symbolic",
-    "training_forward", "values")}
+    "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "attention_runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe")} | {"autopar.parallel"}

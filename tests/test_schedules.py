@@ -158,6 +158,40 @@ def test_the_search_keeps_the_fastest_schedule_and_the_timeline_runs_each_group_
                      schedule="Interleaved1F1B")
 
 
+def test_weight_gradients_are_the_share_of_flops_that_reads_a_weight():
+    """A third of a stack of matmuls; less in attention layers, the less the longer the
+    sequence (QKᵀ and PV have no weight gradient); recorded per stage, read as a third in
+    plans made before."""
+    import json
+
+    import autopar
+    import torch
+    from torch import nn
+
+    import models
+    from autopar.passes.capture import capture
+    from autopar.passes.cost import annotate_costs
+    from autopar.passes.weight_gradients import weight_gradient_flops, weight_gradient_share
+
+    def share(model, inputs, layers):
+        captured = capture(model, inputs)
+        annotate_costs(captured.graph)
+        return weight_gradient_share(weight_gradient_flops(captured), layers)
+
+    mlp = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)))
+    assert 0.3 < share(mlp, (torch.randn(8, 64),), ["0", "1", "2"]) <= 1 / 3
+    short, long = (share(models.GPT(vocab=64, layers=2), (torch.randint(0, 64, (8, t)),), ["blocks.0"])
+                   for t in (16, 256))
+    assert long < short < 1 / 3
+    plan = autopar.plan(models.GPT(vocab=64, layers=4), (torch.randint(0, 64, (8, 16)),), cluster="2x1xcpu",
+                        pipeline=True, schedule="ZBVZeroBubble", micro_batches=4)
+    assert all(0 < st.weight_grad_s < st.compute_s / 3 for st in plan.stages)
+    old = json.loads(plan.to_json())
+    for stage in old["stages"]:
+        del stage["weight_grad_s"]
+    assert all(st.weight_gradients_s == st.compute_s / 3 for st in Plan.from_json(json.dumps(old)).stages)
+
+
 @pytest.mark.distributed
 def test_interleaved_and_three_stage_pipelines_train_like_one_process():
     """Interleaved zero bubble and ZBV on 2 ranks (2 chunks each, 4 micro-batches; ZBV's

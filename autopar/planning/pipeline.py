@@ -39,6 +39,7 @@ from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
 from autopar.passes.strategies import MEMO_KEY
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
+from autopar.passes.weight_gradients import BACK, FRONT, weight_gradient_flops, weight_gradient_share
 from autopar.solvers.pipeline import PipelineSolution, StageTime
 
 log = logging.getLogger(__name__)
@@ -238,6 +239,7 @@ class _StageCosts:
         self.captured, self.cluster, self.groups = captured, cluster, groups
         self.micro_batches, self.options = micro_batches, options
         self.layers = layer_order(captured.graph)
+        self._weight_flops = weight_gradient_flops(captured)
         signature = layer_signatures(captured)
         self._signature = [signature.get(layer) for layer in self.layers]
         self._state = set(captured.parameter_of) | set(captured.buffer_of)
@@ -262,10 +264,12 @@ class _StageCosts:
         if key not in self._memo:
             try:
                 plan, (busy_s, latency_s) = self.stage(i, j, g, layout)
-                # weight gradients: a third of the compute (each matmul's as costly as its forward
-                # and its input gradient); zero-bubble schedules defer them into the bubbles
+                # weight gradients, which zero-bubble schedules defer into the bubbles: their
+                # share of the chunk's FLOPs (passes.weight_gradients) of its compute
+                ends = [FRONT] * (i == 0) + [BACK] * (j == len(self.layers))
+                share = weight_gradient_share(self._weight_flops, [*self.layers[i:j], *ends])
                 self._memo[key] = (StageTime(plan.predicted_step_s + busy_s + latency_s,
-                                             max(plan.predicted_step_s, busy_s), plan.predicted_compute_s / 3),
+                                             max(plan.predicted_step_s, busy_s), plan.predicted_compute_s * share),
                                    (i, j, g), (plan, (busy_s, latency_s)))
             except AutoparError as exc:
                 if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
@@ -360,12 +364,13 @@ class _StageCosts:
             group = self.groups[layout.group_of(g)]
             plan, (busy_s, latency_s) = self.chosen(cuts[g], cuts[g + 1], g, layout)
             send_s = busy_s + latency_s
+            weight_grad_s = self.time_s(cuts[g], cuts[g + 1], g, layout).deferrable_s
             stage_plans.append(plan)
             stages.append(StagePlan(
                 group=group.name, device=group.cluster.device.name, ranks=group.ranks,
                 mesh_shape=plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names,
                 layers=tuple(self.layers[cuts[g]:cuts[g + 1]]), compute_s=plan.predicted_step_s, send_s=send_s,
-                in_flight=layout.in_flight(g, self.micro_batches), memory=plan.memory))
+                in_flight=layout.in_flight(g, self.micro_batches), memory=plan.memory, weight_grad_s=weight_grad_s))
         nodes, parameters, buffers = {}, {}, {}
         for g, plan in enumerate(stage_plans):
             nodes.update({k: dataclasses.replace(v, stage=g) for k, v in plan.nodes.items()})
@@ -373,8 +378,9 @@ class _StageCosts:
             buffers.update(plan.buffers)
         m, p = self.micro_batches, len(self.groups)
         # per group: its chunks' compute and memory add up (one chunk per group without interleaving)
-        compute = m * max(sum(plan.predicted_compute_s for plan in stage_plans[r::p]) for r in range(p))
-        memory = max((MemoryBreakdown.together([plan.memory for plan in stage_plans[r::p]]) for r in range(p)),
+        by_group = [[plan for g, plan in enumerate(stage_plans) if layout.group_of(g) == r] for r in range(p)]
+        compute = m * max(sum(plan.predicted_compute_s for plan in plans) for plans in by_group)
+        memory = max((MemoryBreakdown.together([plan.memory for plan in plans]) for plans in by_group),
                      key=lambda mem: mem.total_bytes)
         lanes = len(self.groups[0].ranks)
         return Plan(

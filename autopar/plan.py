@@ -23,6 +23,7 @@ from typing import Any
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.files import atomic_write_text
+from autopar.plan_io import check_placements, read_plan_document
 from autopar.plan_types import check_plan_objects, check_plan_types, chunk_group
 
 SCHEMA_VERSION = 2  # 2: family and families (the planner's own apart from baselines); replicas as ReplicaPlan
@@ -346,32 +347,8 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str, source: str = "<string>") -> "Plan":
-        try:
-            d = json.loads(text, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as exc:
-            raise AutoparError(ErrorKind.BAD_PLAN,
-                               f"{source} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno} "
-                               f"(byte {exc.pos}); re-create it with `autopar.plan(...).save(path)`") from exc
-        except _DuplicateKey as exc:
-            raise AutoparError(ErrorKind.BAD_PLAN,
-                               f"{source}: key {exc.args[0]!r} appears twice in one object (JSON readers keep only "
-                               "one, silently); re-create the plan with `autopar.plan(...).save(path)`") from exc
-        if not isinstance(d, dict):
-            raise AutoparError(ErrorKind.BAD_PLAN, f"{source} holds a JSON {type(d).__name__}, not a plan object")
-        if "schema_version" not in d:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"{source} has no schema_version: it is not an autopar plan file, "
-                               "or a damaged one; re-create it with `autopar.plan(...).save(path)`")
+        d = read_plan_document(text, source, SCHEMA_VERSION)
         version = d["schema_version"]
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: field schema_version should be an integer, not "
-                               f"{version!r}; re-create the plan with `autopar.plan(...).save(path)`")
-        if version == 1:
-            d, version = _from_version_1(d), SCHEMA_VERSION
-        if version != SCHEMA_VERSION:
-            hint = "upgrade autopar" if isinstance(version, int) and version > SCHEMA_VERSION else "re-plan the model"
-            raise AutoparError(ErrorKind.BAD_PLAN,
-                               f"{source} has plan schema version {version!r}; this autopar reads version "
-                               f"{SCHEMA_VERSION}: {hint}")
         check_plan_objects(d, source)
         try:
             plan = cls(
@@ -403,65 +380,11 @@ class Plan:
             raise AutoparError(ErrorKind.BAD_PLAN,
                                f"{source} is not a complete autopar plan: field {exc} is missing or malformed") from exc
         check_plan_types(plan, source)
-        _check_placements(plan, source)
+        check_placements(plan, source)
         return plan
 
     def save(self, path: str | os.PathLike) -> None:
         atomic_write_text(path, self.to_json())
-
-
-class _DuplicateKey(ValueError):
-    """A key given twice in one JSON object."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
-    found = {}
-    for key, value in pairs:
-        if key in found:
-            raise _DuplicateKey(key)
-        found[key] = value
-    return found
-
-
-def _check_placements(plan: Plan, source: str) -> None:
-    """Every placement the plan holds reads as one placement per mesh dim (a hand-edited file
-    fails here, naming the field, not deep inside lowering)."""
-    where = [(f"parameter {fqn}", p.placement) for fqn, p in plan.parameters.items()]
-    where += [(f"parameter {fqn} optimizer_state", p.optimizer_state) for fqn, p in plan.parameters.items()
-              if p.optimizer_state is not None]
-    where += [(f"buffer {name}", text) for name, text in plan.buffers.items()]
-    where += [(f"output {k}", text) for k, text in enumerate(plan.outputs)]
-    for name, node in plan.nodes.items():
-        where += [(f"node {name} output {k}", text) for k, text in enumerate(node.outputs) if text is not None]
-        where += [(f"node {name} input {k}", text) for k, text in enumerate(node.inputs)]
-    for what, text in where:
-        try:
-            spec = pl.parse_spec(text)
-        except (ValueError, AttributeError) as exc:
-            raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: {what} has placement {text!r}: {exc}; "
-                               "re-create the plan with `autopar.plan(...).save(path)`") from exc
-        if plan.stages == () and plan.replicas == () and len(spec) != len(plan.mesh_shape):
-            raise AutoparError(ErrorKind.BAD_PLAN, f"{source}: {what} has placement {text!r} for {len(spec)} mesh "
-                               f"dims, but the plan's mesh {list(plan.mesh_shape)} has {len(plan.mesh_shape)}")
-
-
-_FAMILIES_V1 = {"uniform_mesh": "one_mesh", "pipeline": "pipeline", "replicas": "replicas"}
-
-
-def _from_version_1(d: dict) -> dict:
-    """A version-1 plan as version 2: its family from the fields it sets, the planner's own
-    families moved out of its baselines (version 1 listed them there as uniform_mesh,
-    pipeline, replicas)."""
-    baselines = d.get("baselines")
-    if not isinstance(baselines, dict):
-        return d  # malformed: reported by the field checks that follow
-    family = "pipeline" if d.get("stages") else "replicas" if d.get("replicas") else "one_mesh"
-    stage_fields = ("group", "device", "ranks", "mesh_shape", "mesh_dim_names", "memory")
-    stages = [{k: v for k, v in st.items() if k not in ("batch", "fingerprint")} for st in d.get("stages", ())]
-    replicas = [{**{k: r[k] for k in (*stage_fields, "batch", "fingerprint")}, "step_s": r["compute_s"],
-                 "sync_s": r["send_s"]} for r in d.get("replicas", ())]  # version 1 held them as stages
-    return {**d, "family": family, "stages": stages, "replicas": replicas, "baselines": {k: v for k, v in baselines.items() if k not in _FAMILIES_V1},
-            "families": {_FAMILIES_V1[k]: v for k, v in baselines.items() if k in _FAMILIES_V1}}
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

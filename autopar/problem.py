@@ -184,8 +184,18 @@ class ShardingProblem:
         return sum(_least(c, w) for c, _, w in self.group_times(choice).values())
 
     def min_memory(self) -> int:
-        """Memory of the least memory-hungry strategy of every node (a lower bound)."""
-        return sum(self.count(i) * min(m) for i, m in enumerate(self.node_memory))
+        """Memory of the least memory-hungry strategy of every node the problem leaves free (a
+        fixed node at its strategy, excluded strategies left out): a lower bound of any
+        solution's memory, so a problem whose bound exceeds the limit is infeasible without
+        a search (a hand-written baseline replicating weights that cannot fit, say)."""
+        total = 0
+        for i, options in enumerate(self.node_memory):
+            if i in self.fixed:
+                least = options[self.fixed[i]]
+            else:
+                least = min((m for s, m in enumerate(options) if (i, s) not in self.excluded), default=min(options))
+            total += self.count(i) * least
+        return total
 
     def feasible(self, choice: list[int]) -> bool:
         return math.isfinite(self.evaluate(choice)) and self.memory(choice) <= self.memory_limit_bytes
@@ -212,4 +222,5 @@ class Solution:
     solve_s: float
     num_variables: int
     num_constraints: int
-    method: str = "cp-sat"  # what proved the status: "lp" (integral relaxation) or "cp-sat"
+    # what proved the status: "lp" (integral relaxation), "cp-sat", or "memory" (least memory over the limit)
+    method: str = "cp-sat"

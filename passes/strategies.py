@@ -332,16 +332,18 @@ def _replicated(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
 
 def _combine(node, per_dim, mesh_shape) -> list[Strategy]:
     outs = output_vals(node)
-    in_vals = [a.meta["val"] for a in tensor_args(node)]
+    # plain int tuples: a fake tensor's shape is rebuilt on every access
+    out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in outs]
+    in_shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
     result = []
     for combo in itertools.product(*per_dim):
         out_pl = tuple(None if combo[0][0][k] is None else tuple(c[0][k] for c in combo) for k in range(len(outs)))
-        in_pl = tuple(tuple(c[1][k] for c in combo) for k in range(len(in_vals)))
+        in_pl = tuple(tuple(c[1][k] for c in combo) for k in range(len(in_shapes)))
         if node.target is operator.getitem:  # its "input" is the producer's output it selects
             in_pl = out_pl
-        ok = all(evenly_sharded(v.shape, p, mesh_shape) for v, p in zip(outs, out_pl)
-                 if p is not None and isinstance(v, torch.Tensor))
-        ok = ok and all(evenly_sharded(v.shape, p, mesh_shape) for v, p in zip(in_vals, in_pl))
+        ok = all(evenly_sharded(shape, p, mesh_shape) for shape, p in zip(out_shapes, out_pl)
+                 if p is not None and shape is not None)
+        ok = ok and all(evenly_sharded(shape, p, mesh_shape) for shape, p in zip(in_shapes, in_pl))
         if ok:
             result.append(Strategy(out_pl, in_pl))
     return result

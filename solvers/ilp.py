@@ -63,6 +63,10 @@ class CpSatSolver:
 
     def solve(self, problem: ShardingProblem, hint: list[int] | None = None) -> Solution:
         start = time.perf_counter()
+        if problem.min_memory() > problem.memory_limit_bytes:  # no search can fit it
+            log.info("least memory %d bytes over the limit %d: infeasible", problem.min_memory(),
+                     problem.memory_limit_bytes)
+            return Solution([], "INFEASIBLE", math.inf, math.inf, time.perf_counter() - start, 0, 0, method="memory")
         if self.relaxation_first:
             relaxation = self._relaxation_of(problem)
             relaxed = relaxation.solve(problem.fixed, self.time_limit_s, excluded=problem.excluded)

@@ -134,7 +134,7 @@ def interleaved_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
 
 
 def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: int,
-                          groups: list[int] | None = None) -> float:
+                          groups: list[int] | None = None, hidden_per_hop: int = 2) -> float:
     """Interleaved zero-bubble step time (torch's ``ScheduleInterleavedZeroBubble``, ZB1P of
     Qi et al. 2024): the backward splits into input gradients, which the previous stage waits
     for, and weight gradients ``W``, which wait for nothing and fill the idle slots. Against
@@ -148,8 +148,8 @@ def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
     matmul's forward costs as much as its weight gradient) and it has done all its work: where
     one rank is much busier than the others there is no bubble on it for ``W`` to fill.
 
-    ZBV (``groups`` in a V: torch's ``ScheduleZBVZeroBubble``, two chunks per rank) hides
-    ``3·W`` per rank crossed, ``(p − 1)(F + B − 2W)`` in the paper's terms (its section 6):
+    ZBV (``groups`` in a V: torch's ``ScheduleZBVZeroBubble``, two chunks per rank;
+    ``hidden_per_hop=3``) hides ``3·W`` per rank crossed, ``(p − 1)(F + B − 2W)`` in the paper's terms (its section 6):
     the turn of the V needs no hand-over, so the last rank starts its backwards a forward
     earlier. With equal chunks both reach the floor; they differ in what they hold in flight
     (autopar.planning.schedules.Layout.in_flight) and with uneven chunks.
@@ -157,8 +157,7 @@ def zero_bubble_step_time(chunks: list[StageTime], ranks: int, micro_batches: in
     interleaved = interleaved_step_time(chunks, ranks, micro_batches, groups)
     if math.isinf(interleaved):
         return math.inf
-    per_hop = 2 if groups is None else 3
-    hidden = per_hop * (ranks - 1) / ranks * sum(st.deferrable_s for st in chunks[:ranks])
+    hidden = hidden_per_hop * (ranks - 1) / ranks * sum(st.deferrable_s for st in chunks[:ranks])
     floor = max(sum(st.deferrable_s for st in chunks[:r])
                 + micro_batches * sum(st.pace for st in _on_rank(chunks, ranks, groups, r)) for r in range(ranks))
     return max(interleaved - hidden, floor)

@@ -55,7 +55,7 @@ from models import MLP
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "cluster_file", "mesh", "comm", "plan",
-                                  "plan_types", "problem", "placements", "files")}
+                                  "plan_types", "plan_io", "problem", "placements", "files")}
 OPS = {"autopar.passes.dtensor_ops"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "context_parallel", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "layers", "memory",

@@ -147,6 +147,26 @@ def test_chain_with_reshard_penalty_has_closed_form():
     assert CpSatSolver().solve(fixed).objective_s == pytest.approx(c + r + (n - 1) * (c - d))
 
 
+def test_least_memory_with_fixed_nodes_settles_infeasibility_without_a_search():
+    """A pinned problem (a hand-written baseline) whose fixed placements alone exceed the
+    limit is infeasible at once; the bound counts fixed nodes at their strategy and leaves
+    excluded strategies out, and never rules out a problem that fits."""
+    n = 4
+    edges = [Edge(i, i + 1, [0, 1], [0, 1], [[0.0, 1.0], [1.0, 0.0]]) for i in range(n - 1)]
+    free = ShardingProblem([f"l{i}" for i in range(n)], [[2.0, 1.0]] * n, [[1, 5]] * n, edges, 8)
+    assert free.min_memory() == 4 and CpSatSolver().solve(free).status == "OPTIMAL"
+    pinned = dataclasses.replace(free, fixed={0: 1, 1: 1})
+    assert pinned.min_memory() == 12
+    solution = CpSatSolver().solve(pinned)
+    assert (solution.status, solution.method, solution.choice) == ("INFEASIBLE", "memory", [])
+    one = dataclasses.replace(free, fixed={0: 1})
+    assert one.min_memory() == 8
+    solution = CpSatSolver().solve(one)
+    assert solution.status == "OPTIMAL" and solution.choice[0] == 1 and one.memory(solution.choice) <= 8
+    excluded = dataclasses.replace(free, excluded=frozenset((i, 0) for i in range(3)))
+    assert excluded.min_memory() == 16 and CpSatSolver().solve(excluded).method == "memory"
+
+
 def test_time_limit_returns_the_warm_start_or_better():
     """A hint (e.g. the best baseline) is a feasible answer even when the search is cut short."""
     rng = random.Random(7)

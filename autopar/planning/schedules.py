@@ -8,6 +8,7 @@ itself is autopar.planning.pipeline.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan_types import SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, chunk_group
@@ -30,6 +31,7 @@ class Layout:
     def zero_bubble(self) -> bool:
         """Weight gradients deferred into the bubbles (the backward split in two)."""
         return self.schedule in SPLIT_BACKWARD_SCHEDULES
+
     @property
     def v_shaped(self) -> bool:
         return self.schedule in V_SHAPED_SCHEDULES
@@ -88,7 +90,11 @@ class Layout:
 
     @property
     def _interleaved_step(self):
-        return zero_bubble_step_time if self.zero_bubble else interleaved_step_time
+        """The step-time formula of this layout's schedule (solvers.pipeline): ZBV hides three
+        weight-gradient slots per rank crossed, the interleaved zero-bubble schedule two."""
+        if not self.zero_bubble:
+            return interleaved_step_time
+        return functools.partial(zero_bubble_step_time, hidden_per_hop=3 if self.v_shaped else 2)
 
     def step_s(self, times: list[StageTime], micro_batches: int) -> float:
         if self.virtual > 1:
@@ -107,15 +113,17 @@ class Layout:
 VIRTUAL_STAGES = (2, 4)
 # schedules with chunks of layers per group; ZBV's V has exactly two
 INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", *V_SHAPED_SCHEDULES)
-AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES = "InterleavedZeroBubble", (2,)  # what schedule="auto" adds to 1F1B
+# what schedule="auto" adds to 1F1B: the two zero-bubble layouts with two chunks per group
+AUTO_INTERLEAVED = (("InterleavedZeroBubble", (2,)), ("ZBVZeroBubble", (2,)))
 
 
 def schedule_layouts(schedule: str, ranks: int, layers: int, micro_batches: int) -> list[Layout]:
     """The layouts the search tries for ``schedule``: a pinned interleaved schedule with 2 and
-    4 chunks per group; "auto" 1F1B and interleaved zero bubble with 2 — under this cost
-    model zero bubble is never slower than interleaved 1F1B and holds fewer activations (a
-    shallower warm-up), and each extra layout plans every chunk again (trying all four
-    doubled planning time on the H100 + A100 scenario of benchmarks/hetero.py). Interleaved
+    4 chunks per group; "auto" 1F1B and the two zero-bubble schedules with 2 (interleaved
+    ZB1P and ZBV) — under this cost model zero bubble is never slower than interleaved 1F1B
+    and holds fewer activations (a shallower warm-up), and each extra layout plans every chunk
+    again (trying all four interleaved ones doubled planning time on the H100 + A100 scenario
+    of benchmarks/hetero.py; adding ZBV to auto cost 10-25 % more there). Interleaved
     ones need a layer per chunk and, as torch's interleaved schedules, a whole number of
     micro-batches per round (``m`` divisible by ``max(1, m // ranks)``); ZBV two chunks per
     group and any ``m``."""
@@ -124,7 +132,7 @@ def schedule_layouts(schedule: str, ranks: int, layers: int, micro_batches: int)
     if schedule not in ("auto", *INTERLEAVED):
         return plain
     rounds = max(1, micro_batches // ranks)
-    tried = [(AUTO_INTERLEAVED, AUTO_VIRTUAL_STAGES)] if schedule == "auto" else \
+    tried = list(AUTO_INTERLEAVED) if schedule == "auto" else \
         [(schedule, (2,) if schedule in V_SHAPED_SCHEDULES else VIRTUAL_STAGES)]
     interleaved = [Layout(name, ranks, v) for name, counts in tried for v in counts
                    if ranks * v <= layers and (micro_batches % rounds == 0 or name in V_SHAPED_SCHEDULES)]

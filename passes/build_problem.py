@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
-import operator
 from dataclasses import dataclass
 
 import torch
 
 from autopar import placements as pl
-from autopar.comm import DDP_BUCKET_BYTES, all_to_all_s
+from autopar.comm import DDP_BUCKET_BYTES
 from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
 from autopar.plan_types import LOSS_SPLIT_DIMS
@@ -39,22 +37,20 @@ from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
 from autopar.passes.context_parallel import causal_imbalance, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
-from autopar.passes.expert_dispatch import DISPATCH_KEY, EXPERT_DISPATCH, add_expert_dispatch, dispatch_s
+from autopar.passes.expert_dispatch import add_expert_dispatch
 from autopar.passes.memory import SAVED_KEY
-from autopar.passes.reshard_cost import Parts, reshard_parts, unit_links
+from autopar.passes.problem_edges import edge_args, follows, make_edge, tensor_index
 from autopar.passes.node_memory import (
-    ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
-from autopar.passes.sparse import (
-    LOOKUP_KEY, SPARSE_ALLGATHER, TABLE_WISE, add_sparse_exchange, add_table_wise, owned_table_options, sparse_exchange_s,
-    table_owners, table_wise_tables)
+    OPTIMIZER_STATES, ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
+from autopar.passes.sparse import add_sparse_exchange, add_table_wise, owned_table_options, table_wise_tables
 from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.stages import layer_order, node_layer
+from autopar.passes.strategy_exchanges import exchange_s
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, leaf_candidates, output_vals,
-    tensor_args, work_split)
+    work_split)
 
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 SAVED_CLASSES = ("matmul", "attention")  # what selective recomputation keeps (passes.recompute saves them)
 OUTPUT = "<output>"
 
@@ -95,7 +91,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     stack nodes' twins come from :func:`add_owned_stacks`), and so may sparse tables whose
     lookups have table-wise twins (passes.sparse.add_table_wise). A table-wise table counts
     1/n of its bytes on each of the n devices of its dim (owners spread the tables; the
-    planner checks the owners it picks, :func:`table_wise_by_owners`), or with ``tables_whole``
+    planner checks the owners it picks, :func:`passes.strategy_exchanges.table_wise_by_owners`), or with ``tables_whole``
     all of them on every device (a bound that holds whatever the owners). ``recompute="full"``:
     every layer is checkpointed whole (passes.recompute): its nodes run forward twice and keep only
     what leaves the layer, plus, counted once, the activations of one layer while it reruns;
@@ -168,7 +164,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
             forward = [timed.time_s(device, work_split(s, mesh.shape) * causal_imbalance(node, s, mesh.shape))
                        for s in options]
-            exchange = [_exchange_s(node, s, mesh, device) for s in options]
+            exchange = [exchange_s(node, s, mesh, device) for s in options]
             if rerun and node.target is FUSED_ATTENTION:  # recomputed: its forward gathers run again
                 exchange = [x + kv_exchange_s(node, s, mesh, forward_only=True) for x, s in zip(exchange, options)]
             cost = [factor * f + x for f, x in zip(forward, exchange)]
@@ -227,7 +223,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     edge_of: dict[tuple[str, str, int], int] = {}
     for node in list(graph.nodes):
         if node.op == "call_function":
-            consumer, args = node, _edge_args(node)
+            consumer, args = node, edge_args(node)
         elif node is out_node:
             consumer, args = None, [(a, 0) for a in out_args]
         else:
@@ -237,11 +233,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             i = position[producer.name]
             key = (i, j, a, out_index, producer.name in grad_nodes, producer.name in weights)
             if key not in edge_at:
-                nbytes = (producer.meta[SYMBOLIC_BYTES_KEY][_tensor_index(producer, out_index)] if symbolic
+                nbytes = (producer.meta[SYMBOLIC_BYTES_KEY][tensor_index(producer, out_index)] if symbolic
                           else tensor_bytes(output_vals(producer)[out_index]))
                 edge_at[key] = len(edges)
-                edges.append(_edge(i, j, a, out_index, strategies[i], strategies[j], nbytes, key[4], key[5], mesh,
-                                   follow=consumer is not None and _follows(consumer, a),
+                edges.append(make_edge(i, j, a, out_index, strategies[i], strategies[j], nbytes, key[4], key[5], mesh,
+                                   follow=consumer is not None and follows(consumer, a),
                                    sync_nbytes=_master_grad_bytes(captured, producer, out_index, nbytes)
                                    if key[5] else None,
                                    group=node_group[j] if key[5] and overlaps else -1,
@@ -301,57 +297,6 @@ def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: i
     return nbytes * (torch.finfo(torch.float32).bits // torch.finfo(val.dtype).bits)
 
 
-def _exchange_s(node: torch.fx.Node, strategy: Strategy, mesh: MeshSpec, device: DeviceSpec | None) -> float:
-    """Communication a strategy makes itself: a lookup's sparse exchange, an expert dispatch,
-    attention's gathered keys and values (context parallelism)."""
-    if node.target is FUSED_ATTENTION:
-        return kv_exchange_s(node, strategy, mesh)
-    if strategy.exchange == EXPERT_DISPATCH:
-        return dispatch_s(node, strategy, mesh, device)
-    return sparse_exchange_s(node.meta[LOOKUP_KEY], strategy, mesh) if strategy.exchange else 0.0
-
-
-def _table_wise_members(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec
-                        ) -> dict[int, list[tuple[str, int, int, int]]]:
-    """Per mesh dim placed ``O``: (FQN — as the plan names owners —, pooled bytes, table bytes,
-    devices of the other mesh dims the pooled bags are split over) of the tables the choice
-    places table-wise."""
-    by_dim: dict[int, list[tuple[str, int, int, int]]] = {}
-    for node in captured.graph.nodes:
-        q = index.node_of.get(node.name)
-        if q is None or LOOKUP_KEY not in node.meta:
-            continue
-        strategy = index.strategies[q][choice[q]]
-        if strategy.exchange == TABLE_WISE:
-            table, dim = node.args[0], pl.owned_dim(strategy.inputs[0])
-            others = math.prod(size for k, (p, size) in enumerate(zip(strategy.outputs[0], mesh.shape))
-                               if k != dim and p.is_shard)
-            by_dim.setdefault(dim, []).append((captured.parameter_of[table.name], node.meta[LOOKUP_KEY].result_bytes,
-                                               tensor_bytes(table.meta["val"]), others))
-    return by_dim
-
-
-def table_wise_by_owners(captured: Captured, index: ProblemIndex, choice: list[int], mesh: MeshSpec,
-                         optimizer: str = "adamw") -> tuple[int, float]:
-    """What the problem's even spread of table-wise tables over their owners (1/n of each table
-    on every device of its dim, passes.sparse.table_wise_s's exchange) leaves out, with the
-    owners :func:`passes.sparse.table_owners` picks for this choice, per mesh dim: the bytes
-    the busiest owner holds beyond the even shares (its tables, gradients and optimizer
-    states), and the time the fused all-to-all, forward and backward, waits for the owner
-    sending the most pooled bags — (n−1)/n of them, against (n−1)/n of the mean owner's."""
-    copies = 2 + OPTIMIZER_STATES[optimizer]
-    excess, extra_s = 0, 0.0
-    for dim, members in _table_wise_members(captured, index, choice, mesh).items():
-        n = mesh.shape[dim]
-        owners = table_owners([m[:3] for m in members], n)
-        held = [sum(copies * nbytes for name, _, nbytes, _ in members if owners[name] == k) for k in range(n)]
-        excess += max(held) - sum(copies * nbytes // n for _, _, nbytes, _ in members)
-        sent = [sum(pooled / others for name, pooled, _, others in members if owners[name] == k) for k in range(n)]
-        volume = n * (max(sent) - sum(sent) / n)  # all_to_all_s of n·x bytes: (n−1)/n · x per device
-        extra_s += 2 * all_to_all_s(volume, n, dataclasses.replace(mesh.links[dim], latency_s=0.0))
-    return max(excess, 0), extra_s
-
-
 def annotate_strategies(captured: Captured, mesh_shape: tuple[int, ...], skip: dict[str, str] | None = None) -> None:
     """Every node's strategies on a mesh of ``mesh_shape`` in node.meta: DTensor's
     (passes.strategies), and the twins autopar adds — sparse exchanges and table-wise
@@ -362,12 +307,6 @@ def annotate_strategies(captured: Captured, mesh_shape: tuple[int, ...], skip: d
     add_table_wise(captured.graph, mesh_shape)
     add_owned_stacks(captured.graph, mesh_shape)
     add_expert_dispatch(captured.graph, mesh_shape)
-
-
-def _edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
-    if node.target is operator.getitem:
-        return [(node.args[0], node.args[1])]
-    return [(a, 0) for a in tensor_args(node)]
 
 
 def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Strategy]:
@@ -405,88 +344,3 @@ def gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
     return on_path
 
 
-def _follows(node: torch.fx.Node, arg: int) -> bool:
-    """Whether argument ``arg`` of ``node`` simply takes its producer's placement (no
-    resharding on that edge): views, and single-input ops whose output is as large as their
-    input (resharding after them costs what resharding before them would). Measured: no loss
-    on the example GPT; extending it to the first same-size argument of binary ops lost 5%."""
-    if node.meta[COST_KEY].is_view:
-        return True
-    args = tensor_args(node)
-    outs = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]
-    return len(args) == 1 and len(outs) == 1 and outs[0].numel() == args[0].meta["val"].numel()
-
-
-def _tensor_index(node: torch.fx.Node, out_index: int) -> int:
-    """Position of output ``out_index`` among the node's tensor outputs."""
-    return sum(isinstance(v, torch.Tensor) for v in output_vals(node)[:out_index])
-
-
-def _edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False,
-          sync_nbytes=None, group: int = -1, bucket_bytes: int = DDP_BUCKET_BYTES) -> Edge:
-    """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
-    to take the producer's placement as is (when the consumer accepts it): this keeps the
-    pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
-    # a parameter's ZeRO-2 twin is its own class: same use, its gradient goes elsewhere
-    src_keys = [(s.outputs[out_index], s.state or s.outputs[out_index]) for s in src_options]
-    dst_keys = [(t.inputs[arg], _split_mask(t) if not (_syncs_table(t) and arg == 0) else ()) for t in dst_options]
-    src_classes = sorted(set(src_keys))
-    dst_classes = sorted(set(dst_keys))
-    accepted = {v for v, _ in dst_classes}
-
-    def parts(u: tuple, v: pl.Spec, split: tuple[bool, ...], on: MeshSpec) -> Parts | None:
-        state = u[1] if u[1] != u[0] else None
-        return reshard_parts(u[0], v, split, nbytes, needs_grad, on, regather, sync_nbytes, state, bucket_bytes)
-
-    def time(u: tuple, v: pl.Spec, split: tuple[bool, ...], on: MeshSpec) -> float | None:
-        found = parts(u, v, split, on)
-        return None if found is None else found.total
-
-    cost = [[None if follow and u[0] in accepted and v != u[0] else time(u, v, split, mesh)
-             for (v, split) in dst_classes] for u in src_classes]
-
-    def volume(u: int, v: int) -> float:  # the same collectives on a link of 1 byte/s: their bytes
-        return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], unit_links(mesh)) or 0.0
-    def unrestricted(u: int, v: int) -> float | None:
-        return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], mesh)
-    overlappable = None
-    if group >= 0:  # what of it can run beside compute (passes.reshard_cost.Parts)
-        overlappable = [[None if c is None else tuple(parts(u, v, split, mesh)[1:]) for c, (v, split) in
-                         zip(row, dst_classes)] for row, u in zip(cost, src_classes)]
-    return Edge(i, j, [src_classes.index(k) for k in src_keys], [dst_classes.index(k) for k in dst_keys], cost,
-                volume=volume, unrestricted=unrestricted if follow else None, group=group, parts=overlappable)
-
-
-def strategy_exchange_s(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int],
-                        mesh: MeshSpec) -> float:
-    """Time of the exchanges the chosen strategies make themselves — lookups' sparse rows,
-    experts' dispatched rows, attention's gathered keys and values — every copy of a repeated node counted (on :func:`unit_links`
-    meshes: the bytes one device sends)."""
-    lookups = {n.name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
-    dispatches = {n.name: n for n in captured.graph.nodes if DISPATCH_KEY in n.meta}
-    attentions = {n.name: n for n in captured.graph.nodes if n.target is FUSED_ATTENTION}
-    total = 0.0
-    for q, name in enumerate(index.names):
-        strategy = index.strategies[q][choice[q]]
-        if name in attentions:
-            total += problem.count(q) * kv_exchange_s(attentions[name], strategy, mesh)
-        elif strategy.exchange and name in lookups:
-            total += problem.count(q) * sparse_exchange_s(lookups[name], strategy, mesh)
-        elif strategy.exchange and name in dispatches:
-            total += problem.count(q) * dispatch_s(dispatches[name], strategy, mesh, None)
-    return total
-
-
-def _syncs_table(strategy: Strategy) -> bool:
-    """A lookup twin that brings its table's gradient where it belongs itself."""
-    return strategy.exchange in (SPARSE_ALLGATHER, TABLE_WISE)
-
-
-def _split_mask(strategy: Strategy) -> tuple[bool, ...]:
-    """Mesh dims the node's work is split on (a replicated input's gradient arrives partial
-    there). A sparse-exchange lookup syncs its table's gradient itself: its table edge gets
-    the empty mask, as if no dim were split."""
-    first = next((p for p in strategy.outputs if p is not None), None)
-    if first is None:
-        return ()
-    return tuple(p is not pl.R for p in first)

@@ -22,6 +22,8 @@ from autopar.passes.cost import tensor_bytes
 from autopar.passes.stages import node_layer
 from autopar.passes.strategies import Strategy, evenly_sharded, output_vals
 
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}  # states each optimizer keeps per weight
+
 
 @dataclass(frozen=True)
 class ParameterBytes:

@@ -32,7 +32,8 @@ from autopar.passes.capture import Captured
 from autopar.passes import runtime
 from autopar.passes.grad_sync import sync_grads
 from autopar.passes.recompute import checkpoint_layers
-from autopar.passes.lower import group_meshes, lower_module, owner_submeshes, stage_mesh
+from autopar.passes.lower import lower_module
+from autopar.passes.place_state import group_meshes, owner_submeshes, stage_mesh
 from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
 
 LANES_ATTR = "_autopar_lanes"

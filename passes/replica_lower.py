@@ -21,7 +21,8 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import capture, compute_dtype_of
 from autopar.passes.grad_sync import all_reduce_flat
-from autopar.passes.lower import group_meshes, lower_module, owner_submeshes
+from autopar.passes.lower import lower_module
+from autopar.passes.place_state import group_meshes, owner_submeshes
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.runtime import sum_touched_rows
 from autopar.passes.sparse import SPARSE_ALLGATHER

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 from autopar import placements as pl
@@ -114,16 +113,23 @@ def reshard_forward_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec,
 def _sequential_s(src: pl.Spec, dst: pl.Spec, nbytes: int, mesh: MeshSpec, links) -> float | None:
     """Convert one mesh dim at a time, innermost first; each collective moves the tensor
     as currently sharded on the other dims (a 2-D all-gather costs ¼ + ½ of the bytes)."""
-    current = list(src)
+    shape = mesh.shape
+    sharded = 1  # devices the tensor is currently split over (the product of its sharded dims)
+    for p, size in zip(src, shape):
+        if p.is_shard:
+            sharded *= size
     total = 0.0
-    for d in reversed(range(len(src))):
-        others = math.prod(size for k, (p, size) in enumerate(zip(current, mesh.shape))
-                           if k != d and p.is_shard)
-        step = _transition_s(current[d], dst[d], nbytes / others, mesh.shape[d], links[d])
+    for d in range(len(src) - 1, -1, -1):
+        a, b = src[d], dst[d]
+        if a is b:
+            continue
+        size = shape[d]
+        others = sharded // size if a.is_shard else sharded  # split over the other dims
+        step = _transition_s(a, b, nbytes / others, size, links[d])
         if step is None:
             return None
         total += step
-        current[d] = dst[d]
+        sharded = (sharded // size if a.is_shard else sharded) * (size if b.is_shard else 1)
     return total
 
 

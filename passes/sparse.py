@@ -24,7 +24,7 @@ on the table's edge; and every pooled lookup (an embedding bag) twins that place
 table-wise (:func:`add_table_wise`; owners are chosen after the solve, greedily by traffic,
 and lowering fuses the lookups into one exchange). The solver picks per table under the same
 memory limits (a table-wise table counts 1/n on each device of its dim, and the planner checks
-the busiest owner; passes.build_problem.table_wise_by_owners).
+the busiest owner; passes.strategy_exchanges.table_wise_by_owners).
 
 The number of rows one device touches comes from, in order: the user (``sparsity={fqn: α}``,
 α = fraction of the table's rows one device touches per step); the example inputs (the index
@@ -249,7 +249,7 @@ def table_wise_s(lookup: Lookup, strategy: Strategy, mesh: MeshSpec, links=None)
     sends (n−1)/n of the pooled rows, and with the tables spread evenly over the n owners each
     device sends 1/n of all tables' — (n−1)/n² of this table's bytes, the all-to-all's volume —
     while the collective's latency is paid once for the ``lookup.fused`` tables. (The planner
-    adds what the busiest owner sends beyond that mean, passes.build_problem.table_wise_by_owners.)"""
+    adds what the busiest owner sends beyond that mean, passes.strategy_exchanges.table_wise_by_owners.)"""
     links = links or mesh.links
     d = pl.owned_dim(strategy.inputs[0])
     n, link = mesh.shape[d], links[d]

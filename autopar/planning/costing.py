@@ -19,8 +19,8 @@ from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
-from autopar.passes.build_problem import (
-    ProblemIndex, annotate_strategies, build_problem, strategy_exchange_s, table_wise_by_owners)
+from autopar.passes.build_problem import ProblemIndex, annotate_strategies, build_problem
+from autopar.passes.strategy_exchanges import strategy_exchange_s, table_wise_by_owners
 from autopar.passes.reshard_cost import unit_links
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 

@@ -21,7 +21,7 @@ from autopar.devices import MAX_DEVICES
 from autopar.errors import AutoparError, ErrorKind
 from autopar.planning.precision import Precision
 from autopar.plan_types import PIPELINE_SCHEDULES
-from autopar.passes.build_problem import OPTIMIZER_STATES
+from autopar.passes.node_memory import OPTIMIZER_STATES
 from autopar.solvers.baselines import CONFIGURATIONS
 
 SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or an interleaved schedule, the fastest

@@ -79,14 +79,41 @@ def bubble(num_stages: int, micro_batches: int) -> float:
 
 
 def partition(num_layers: int, num_stages: int, micro_batches: int,
-              stage_time: Callable[[int, int, int], StageTime], in_flight: int | None = None
-              ) -> PipelineSolution | None:
+              stage_time: Callable[[int, int, int], StageTime], in_flight: int | None = None,
+              lower_bound: Callable[[int, int, int], StageTime] | None = None) -> PipelineSolution | None:
     """Best cut of layers ``[0, num_layers)`` into ``num_stages`` non-empty stages;
     ``stage_time(i, j, s)`` is stage ``s`` holding layers ``[i, j)`` (``inf`` if it does not
-    fit); ``in_flight`` as :func:`step_time`'s. Returns None when no cut fits."""
+    fit); ``in_flight`` as :func:`step_time`'s. Returns None when no cut fits.
+
+    ``lower_bound(i, j, s)`` (cheap; at most ``stage_time``'s total and pace) makes the
+    search lazy, branch and bound over stages: the best cut is found on a table of bounds,
+    and only that cut's stages are timed exactly, again and again until the best cut's
+    stages are all exact — it is then optimal, as every cut's time on the table is at most
+    its real time (the step grows with every stage's total and pace). Stages no best cut
+    ever reaches are never planned."""
     if num_stages < 1 or num_layers < num_stages:
         return None
-    table = _stage_table(num_layers, num_stages, stage_time)
+    keys = _stage_keys(num_layers, num_stages)
+    if lower_bound is None:
+        return _best_cut(num_layers, num_stages, micro_batches, {k: stage_time(*k) for k in keys}, in_flight)
+    table = {k: lower_bound(*k) for k in keys}
+    exact: set[tuple[int, int, int]] = set()
+    while True:
+        best = _best_cut(num_layers, num_stages, micro_batches, table, in_flight)
+        if best is None:
+            return None
+        bounds = [0, *best.cuts, num_layers]
+        unknown = [k for k in ((bounds[s], bounds[s + 1], s) for s in range(num_stages)) if k not in exact]
+        if not unknown:
+            return best
+        for k in unknown:
+            table[k] = stage_time(*k)
+            exact.add(k)
+
+
+def _best_cut(num_layers: int, num_stages: int, micro_batches: int, table: dict[tuple[int, int, int], StageTime],
+              in_flight: int | None) -> PipelineSolution | None:
+    """The least step over every cut whose stages ``table`` times (the formula's DP)."""
     best: PipelineSolution | None = None
     for bound in sorted({t.pace for t in table.values() if math.isfinite(t.pace) and math.isfinite(t.total_s)}):
         if best is not None and (micro_batches - 1) * bound >= best.step_s:
@@ -302,16 +329,15 @@ def _equal_cut(num_layers: int, chunks: int) -> list[int]:
     return _cut_of([base + (start <= g < start + extra) for g in range(chunks)])
 
 
-def _stage_table(num_layers: int, num_stages: int, stage_time) -> dict[tuple[int, int, int], StageTime]:
-    """Every stage time a cut of ``num_layers`` into ``num_stages`` non-empty stages may use."""
-    table: dict[tuple[int, int, int], StageTime] = {}
+def _stage_keys(num_layers: int, num_stages: int) -> list[tuple[int, int, int]]:
+    """Every stage ``(i, j, s)`` a cut of ``num_layers`` into ``num_stages`` non-empty stages may use."""
+    keys = []
     for s in range(num_stages):
         first = [0] if s == 0 else range(s, num_layers - num_stages + s + 1)
         for i in first:
             last = [num_layers] if s == num_stages - 1 else range(i + 1, num_layers - num_stages + s + 2)
-            for j in last:
-                table[(i, j, s)] = stage_time(i, j, s)
-    return table
+            keys.extend((i, j, s) for j in last)
+    return keys
 
 
 def _least_sum(num_layers: int, num_stages: int, table, bound: float) -> tuple[list[int], list[StageTime]] | None:

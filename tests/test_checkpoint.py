@@ -133,6 +133,58 @@ def test_a_checkpoint_of_experts_in_the_balanced_order_says_it_reads_back_only_u
     assert "balanced order" in said and "blocks.0.moe.w_in" in said, said
 
 
+def _save_memory(folder: str) -> dict:
+    """Save an FSDP plan's model and AdamW state on this rank (2 ranks, weights split by
+    rows) while a dispatch mode watches every tensor an op creates; returns the largest such
+    tensor, the largest local shard, the bytes this rank wrote, and the whole state's bytes."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):  # a DTensor by its local piece: what this rank holds
+                local = t.to_local() if isinstance(t, DTensor) else t
+                if isinstance(local, torch.Tensor) and not local.is_meta:
+                    self.bytes = max(self.bytes, local.untyped_storage().nbytes())
+            return out
+
+    torch.manual_seed(0)
+    model = MLP(64, 512, 64, layers=3)
+    pmodel = autopar.parallelize(model, (torch.randn(16, 64),), cluster="2xcpu", loss_fn=F.mse_loss,
+                                 configuration="fsdp")
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
+    x, target = torch.randn(16, 64), torch.randn(16, 64)
+    pmodel.step(x, target=target)
+    optimizer.step()
+    shards = [p.to_local() for p in pmodel.parameters()]
+    whole = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + two AdamW moments
+    watch = Largest()
+    with watch:
+        model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    rank = torch.distributed.get_rank()
+    written = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.startswith(f"__{rank}_"))
+    return {"largest_created": watch.bytes, "largest_shard": max(t.untyped_storage().nbytes() for t in shards),
+            "written": written, "whole": whole, "local": 3 * sum(t.numel() * t.element_size() for t in shards)}
+
+
+@pytest.mark.distributed
+def test_saving_a_sharded_plan_holds_and_writes_only_this_rank_s_shards(tmp_path):
+    """torch's get_state_dict + dcp.save on an FSDP plan (2 ranks): no op makes a tensor larger
+    than this rank's largest shard while saving (nothing is gathered), and rank 0 writes its
+    shards of the weights and AdamW moments — half the whole state, not all of it."""
+    found = run_world(2, _save_memory, str(tmp_path / "ckpt"))
+    assert found["largest_created"] <= found["largest_shard"], found
+    assert found["local"] == found["whole"] // 2
+    assert found["local"] <= found["written"] <= found["local"] + 64 * 1024, found  # + DCP's per-file headers
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # this test's own single-process dcp calls
 def test_checkpoint_convert_goes_from_dcp_to_one_file_and_back(tmp_path):
     folder, single, back = tmp_path / "dcp", tmp_path / "model.pt", tmp_path / "dcp_again"

@@ -21,7 +21,7 @@ from autopar.plan import Plan
 from autopar.units import format_seconds
 from autopar.passes.capture import capture
 from autopar.passes.stages import assign_stages, layer_order, split_graph
-from autopar.solvers.pipeline import StageTime, partition, step_time
+from autopar.solvers.pipeline import StageTime, _stage_keys, partition, step_time
 from distributed import run_world
 from models import GPT
 from pipeline_equivalence import check_pipeline, check_pipelines
@@ -94,19 +94,35 @@ def _brute_force(num_layers, num_stages, m, cost, in_flight=None):
     return best
 
 
+def _below(rng: random.Random, exact: StageTime) -> StageTime:
+    """A random lower bound of a stage time (any finite figure under an infeasible stage)."""
+    total = rng.uniform(0.0, 3.0) if exact.total_s == float("inf") else exact.total_s * rng.uniform(0.3, 1.0)
+    return StageTime(total, min(total, exact.pace) * rng.uniform(0.5, 1.0))
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["every stage", "branch and bound"])
 @pytest.mark.parametrize("one_f_one_b", [False, True])
-def test_stage_dp_equals_brute_force_on_random_costs(one_f_one_b):
-    """Also with 1F1B's bound (at most one micro-batch per stage in flight): the DP stays exact."""
+def test_stage_dp_equals_brute_force_on_random_costs(one_f_one_b, lazy):
+    """Also with 1F1B's bound (at most one micro-batch per stage in flight): the DP stays exact.
+    Lazy (stage lower bounds given): the same optimum, fewer stages timed."""
     rng = random.Random(0)
+    timed = {"calls": 0, "stages": 0}
     for _ in range(60):
         num_layers, num_stages, m = rng.randint(2, 7), rng.randint(1, 3), rng.choice([1, 2, 5, 16])
         table = {(i, j, s): StageTime(*((float("inf"), None) if rng.random() < 0.15 else
                                         (rng.uniform(1.0, 3.0), rng.choice([None, rng.uniform(0.1, 1.0)]))))
                  for i in range(num_layers) for j in range(i + 1, num_layers + 1) for s in range(num_stages)}
-        cost = lambda i, j, s: table[(i, j, s)]  # noqa: E731
+        bounds_of = {k: _below(rng, t) for k, t in table.items()}
+
+        def cost(i, j, s):
+            timed["calls"] += 1
+            return table[(i, j, s)]
+
         in_flight = num_stages if one_f_one_b else None
-        found = partition(num_layers, num_stages, m, cost, in_flight)
-        expected = _brute_force(num_layers, num_stages, m, cost, in_flight)
+        found = partition(num_layers, num_stages, m, cost, in_flight,
+                          lower_bound=(lambda i, j, s: bounds_of[(i, j, s)]) if lazy else None)
+        timed["stages"] += len(_stage_keys(num_layers, num_stages)) if num_stages <= num_layers else 0
+        expected = _brute_force(num_layers, num_stages, m, lambda i, j, s: table[(i, j, s)], in_flight)
         if expected is None:
             assert found is None
         else:
@@ -115,6 +131,10 @@ def test_stage_dp_equals_brute_force_on_random_costs(one_f_one_b):
             times = [table[(bounds[s], bounds[s + 1], s)] for s in range(num_stages)]
             assert found.step_s == pytest.approx(step_time(times, m, in_flight))
             assert list(found.stage_s) == [table[(bounds[s], bounds[s + 1], s)].total_s for s in range(num_stages)]
+    if lazy:
+        assert timed["calls"] < 0.8 * timed["stages"], timed  # the eager search times every one
+    else:
+        assert timed["calls"] == timed["stages"], timed
 
 
 @pytest.mark.distributed
@@ -396,3 +416,30 @@ def test_the_timeline_marks_shared_cells_and_says_how_it_relates_to_the_predicti
     assert ("the plan predicts" in line) == (abs(total - plan.predicted_step_s) > 0.02 * plan.predicted_step_s)
     assert plan.predicted_step_s >= total * 0.9  # 1F1B's round-trip bound counted: 2 ms sends, 0.3 ms stages
     assert html.escape(line) in render(plan)
+
+
+@pytest.mark.parametrize("cluster_file", ["two_cpu_regions.yaml", "four_h100_regions.yaml"])
+def test_stage_lower_bounds_never_exceed_the_planned_stages(cluster_file):
+    """The stage search's branch and bound is exact only if every stage's bound is at most
+    its planned time (total and pace): checked on every stage a 4-layer GPT's 1F1B cut may
+    use, on CPU regions and on H100 regions (where sends and gradient-path compute differ)."""
+    from autopar.planning import ModelGraphs, PlanOptions
+    from autopar.planning.schedules import Layout
+    from autopar.planning.stage_costs import StageCosts
+    from autopar.solvers.pipeline import _stage_keys
+
+    cluster = Cluster.from_spec(os.path.join(CLUSTERS, cluster_file))
+    torch.manual_seed(0)
+    model, x = GPT(vocab=64, layers=4), torch.randint(0, 64, (8, 16))
+    groups, m = cluster.groups(), 4
+    graphs = ModelGraphs(model, (x,))
+    stages = StageCosts(graphs.at_rows(8 // m), cluster, groups, m, PlanOptions())
+    layout = Layout("1F1B", len(groups))
+    bound = stages.lower_bound(layout)
+    checked = 0
+    for i, j, g in _stage_keys(len(stages.layers), len(groups)):
+        exact, low = stages.time_s(i, j, g, layout), bound(i, j, g)
+        assert low.total_s <= exact.total_s * (1 + 1e-9) and low.pace <= exact.pace * (1 + 1e-9), (i, j, g, low, exact)
+        assert low.total_s > 0.2 * exact.total_s  # and it is a bound worth having
+        checked += 1
+    assert checked == len(_stage_keys(len(stages.layers), len(groups))) > 4

@@ -71,16 +71,19 @@ class Layout:
         return self.virtual
 
     def partition(self, num_layers: int, micro_batches: int, timer,
-                  plain: PipelineSolution | None = None) -> PipelineSolution | None:
+                  plain: PipelineSolution | None = None, lower_bound=None) -> PipelineSolution | None:
         """The best cut under this layout; interleaved layouts start from ``plain`` (the best
-        cut with one stage per group), each group's layers split over its chunks."""
+        cut with one stage per group), each group's layers split over its chunks. One chunk
+        per group: ``lower_bound`` (at most ``timer``'s stage times) lets the search plan only
+        the stages a best cut reaches."""
         if self.virtual > 1:
             sizes = None if plain is None else \
                 [b - a for a, b in zip((0, *plain.cuts), (*plain.cuts, num_layers))]
             return partition_interleaved(num_layers, self.ranks, self.virtual, micro_batches, timer, sizes,
                                          step=self._interleaved_step, max_cuts=0, groups=self._groups)
         # 1F1B: stage 0 holds at most one micro-batch per stage in flight (solvers.pipeline)
-        return partition(num_layers, self.ranks, micro_batches, timer, in_flight=self._round_trip)
+        return partition(num_layers, self.ranks, micro_batches, timer, in_flight=self._round_trip,
+                         lower_bound=lower_bound)
 
     @property
     def _round_trip(self) -> int | None:

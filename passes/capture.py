@@ -30,6 +30,7 @@ from autopar.errors import AutoparError, ErrorKind, first_line, quiet_logs, rais
 from autopar.plan import TensorSpec
 from autopar.passes.decompose import decompose
 from autopar.passes.embedding_bag import lower_fixed_bags
+from autopar.passes.grouped_experts import ungroup_experts
 from autopar.passes.stack_experts import stack_expert_lists
 from autopar.passes.training_forward import training_forward
 
@@ -184,6 +185,8 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
         raise _inputs_refused(model, args) or _untraceable(model, exc) from exc
     _drop_metadata_asserts(program)
     program.graph.eliminate_dead_code()
+    if ungroup_experts(program.graph):
+        program.graph_module.recompile()
     stack_expert_lists(program)
     _check_static_shapes(model, program)
     _check_matmul_dtypes(model, program, args)

@@ -1,7 +1,10 @@
-"""Expert parallelism for experts gathered per token (transformers' "batched_mm" Mixtral).
+"""Expert parallelism for experts gathered per token (transformers' "batched_mm" experts), and
+for grouped-GEMM experts written per row (passes.grouped_experts: ``expert_mm(x, w, ids)``).
 
 Such a layer picks each (token, choice) row's expert weights with a gather, ``w[ids]`` (one
-copy of the expert's matrix per row), and multiplies row by row (``bmm``). DTensor has no
+copy of the expert's matrix per row), and multiplies row by row (``bmm``) — or multiplies
+each row by its expert's matrix in one op (``expert_mm``, which the same rules treat as a
+gather of ``w`` by ``ids``). DTensor has no
 rule that splits the gathered dim, so on its own the ILP can only replicate those experts or
 split them inside. Expert parallelism needs the rows to travel to the device that owns their
 expert: Megatron's all-to-all token dispatcher. Here it is one fused region:
@@ -40,7 +43,9 @@ import torch
 from autopar import placements as pl
 from autopar.comm import all_to_all_s
 from autopar.mesh import MeshSpec
-from autopar.passes.cost import COST_KEY, tensor_bytes
+from autopar.passes.cost import COST_KEY, is_view_op, tensor_bytes
+from autopar.passes.expert_mm import EXPERT_MM
+from autopar.passes.row_ops import row_wise, rows_of
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy
 from autopar.passes.values import evaluate
 from autopar.solvers.balance import balanced_order, device_loads, imbalance
@@ -50,25 +55,13 @@ DISPATCH_KEY = "autopar.dispatch"
 EXPERT_DISPATCH = "expert_dispatch"  # Strategy.exchange of the twins
 _RELATIVE_TOLERANCE = 1e-5
 
-# ops that compute each row (dim 0) on its own when dim 0 stays the rows (dims checked by _row_wise)
-_ELEMENTWISE = {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.neg.default,
-                aten.silu.default, aten.sigmoid.default, aten.gelu.default, aten.relu.default, aten.tanh.default,
-                aten.exp.default, aten.pow.Tensor_Scalar, aten.mul.Scalar, aten.add.Scalar, aten.clone.default,
-                aten._to_copy.default, aten.contiguous.default, aten.alias.default, aten.rsqrt.default}
-_BATCHED = {aten.bmm.default, aten.baddbmm.default}
-_SHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.squeeze.dims, aten.split_with_sizes.default, aten.split.Tensor,
-          aten.slice.Tensor, aten.transpose.int, aten.permute.default, aten._softmax.default,
-          aten.sum.dim_IntList, aten.mean.dim, aten.expand.default, aten.mm.default}
-
-
 @dataclass(eq=False)
 class Dispatch:
     """One MoE layer's gathered experts and the region that runs on their owners."""
 
     ids: str  # the node of each row's chosen expert
-    gathers: tuple[str, ...]  # ``index(w, [ids])`` nodes
-    weights: tuple[str, ...]  # the gathered weights' placeholders (one per gather)
+    gathers: tuple[str, ...]  # ``index(w, [ids])`` or ``expert_mm(x, w, ids)`` nodes
+    weights: tuple[str, ...]  # the gathered weights' placeholders (one per gather; behind its views)
     segment: tuple[str, ...]  # nodes run on the owners, in graph order (the gathers included)
     inputs: tuple[str, ...]  # nodes outside the segment it reads (besides ids and weights)
     row_inputs: tuple[bool, ...]  # per input: one row per (token, choice) (sent with its row) or not (whole)
@@ -98,12 +91,10 @@ def annotate_dispatches(graph: torch.fx.Graph, expert_weights: dict[str, object]
     -> its passes.experts.ExpertGroup (the stacked experts)."""
     by_ids: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in graph.nodes:
-        if (node.target is aten.index.Tensor and node.args[0].name in expert_weights
-                and len(node.args[1]) == 1 and isinstance(node.args[1][0], torch.fx.Node)):
-            ids = node.args[1][0]
-            val = ids.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dim() == 1 and not val.dtype.is_floating_point:
-                by_ids.setdefault(ids, []).append(node)
+        ids = _gather_ids(node, expert_weights)
+        val = ids.meta.get("val") if ids is not None else None
+        if isinstance(val, torch.Tensor) and val.dim() == 1 and not val.dtype.is_floating_point:
+            by_ids.setdefault(ids, []).append(node)
     found = []
     for ids, gathers in by_ids.items():
         dispatch = _dispatch(graph, ids, gathers, expert_weights, values, memo)
@@ -113,10 +104,39 @@ def annotate_dispatches(graph: torch.fx.Graph, expert_weights: dict[str, object]
     return found
 
 
+def gathered_weight(node: torch.fx.Node) -> torch.fx.Node:
+    """The expert weights a per-row gather reads: ``w`` of ``index(w, [ids])`` and of
+    ``expert_mm(x, w, ids)`` (passes.expert_mm: grouped-GEMM experts, per row)."""
+    return node.args[weight_position(node)]
+
+
+def weight_position(node: torch.fx.Node) -> int:
+    """Which argument (and input placement) of a per-row gather is its expert weights."""
+    return 1 if node.target is EXPERT_MM else 0
+
+
+def _gather_ids(node: torch.fx.Node, expert_weights: dict) -> torch.fx.Node | None:
+    """The per-row expert ids of a gather of stacked experts (``index(w, [ids])``, or
+    ``expert_mm(x, w, ids)`` whose ``w`` is a view of them), else None."""
+    if node.target is aten.index.Tensor and node.args[0].name in expert_weights and len(node.args[1]) == 1 \
+            and isinstance(node.args[1][0], torch.fx.Node):
+        return node.args[1][0]
+    if node.target is EXPERT_MM and _stored(node.args[1]).name in expert_weights:
+        return node.args[2]
+    return None
+
+
+def _stored(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a chain of views reads (a weight's placeholder behind its transposes)."""
+    while node.op == "call_function" and node.target is not operator.getitem and is_view_op(node):
+        node = node.args[0]
+    return node
+
+
 def _dispatch(graph, ids: torch.fx.Node, gathers: list[torch.fx.Node], expert_weights: dict, values, memo
               ) -> Dispatch | None:
     rows = ids.meta["val"].shape[0]
-    experts = {g.args[0].meta["val"].shape[0] for g in gathers}
+    experts = {gathered_weight(g).meta["val"].shape[0] for g in gathers}
     if len(experts) != 1 or any(u not in gathers for u in ids.users):
         return None  # the ids also feed something else: they must stay as they are there
     segment: list[torch.fx.Node] = []
@@ -124,24 +144,25 @@ def _dispatch(graph, ids: torch.fx.Node, gathers: list[torch.fx.Node], expert_we
     for node in graph.nodes:
         if node in inside:
             segment.append(node)
-        elif node.op == "call_function" and any(a in inside for a in node.all_input_nodes) and _row_wise(node, rows):
+        elif node.op == "call_function" and any(a in inside for a in node.all_input_nodes) and row_wise(node, rows):
             inside.add(node)
             segment.append(node)
     outputs = [n for n in segment if any(u not in inside for u in n.users)]
-    if not outputs or any(not isinstance(n.meta.get("val"), torch.Tensor) or not _rows_of(n, rows) for n in outputs):
+    if not outputs or any(not isinstance(n.meta.get("val"), torch.Tensor) or not rows_of(n, rows) for n in outputs):
         return None
     inputs = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
-                                if a not in inside and a is not ids and all(a is not g.args[0] for g in gathers)))
+                                if a not in inside and a is not ids and all(a is not gathered_weight(g) for g in gathers)))
     if any(not isinstance(a.meta.get("val"), torch.Tensor) for a in inputs) or _downstream(graph, inside) & set(inputs):
         return None  # the segment would need something computed from its own results
     position = {n: k for k, n in enumerate(graph.nodes)}
-    ready = max(position[a] for a in [ids, *inputs, *(g.args[0] for g in gathers)])
+    ready = max(position[a] for a in [ids, *inputs, *(gathered_weight(g) for g in gathers)])
     if ready > min(position[u] for n in outputs for u in n.users if u not in inside):
         return None  # one call cannot stand for it: an output is used before all its inputs exist
     row_inputs = tuple(a.meta["val"].dim() > 0 and a.meta["val"].shape[0] == rows for a in inputs)
-    group = expert_weights[gathers[0].args[0].name]
+    group = expert_weights[_stored(gathered_weight(gathers[0])).name]
     dispatch = Dispatch(
-        ids.name, tuple(g.name for g in gathers), tuple(g.args[0].name for g in gathers), tuple(n.name for n in segment),
+        ids.name, tuple(g.name for g in gathers), tuple(_stored(gathered_weight(g)).name for g in gathers),
+        tuple(n.name for n in segment),
         tuple(a.name for a in inputs), row_inputs, tuple(n.name for n in outputs), rows, experts.pop(),
         sum(tensor_bytes(a.meta["val"]) for a, r in zip(inputs, row_inputs) if r),
         sum(tensor_bytes(n.meta["val"]) for n in outputs), getattr(group, "load", None),
@@ -160,55 +181,6 @@ def _downstream(graph: torch.fx.Graph, inside: set) -> set:
     return found
 
 
-def _rows_of(node: torch.fx.Node, rows: int) -> bool:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (list, tuple)) else [val]
-    return bool(vals) and all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows for v in vals)
-
-
-def _row_wise(node: torch.fx.Node, rows: int) -> bool:
-    """Whether ``node`` keeps one row per (token, choice) in dim 0 and computes each on its own."""
-    if node.target is operator.getitem:
-        return _rows_of(node, rows)
-    if not _rows_of(node, rows):
-        return False
-    ins = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    if node.target in _ELEMENTWISE:  # other operands broadcast (fewer dims, or dim 0 of 1) or are rows
-        out = node.meta["val"].dim()
-        return all(v.dim() < out or v.shape[0] in (1, rows) for v in ins)
-    if node.target in _BATCHED or node.target is aten.index.Tensor:
-        return all(v.shape[0] == rows for v in ins[:2])
-    if node.target in _SHAPE:
-        source = node.args[0].meta.get("val")
-        if not isinstance(source, torch.Tensor) or source.dim() == 0 or source.shape[0] != rows:
-            return False
-        if node.target is aten.mm.default:  # rows @ a matrix
-            return not _rows_of(node.args[1], rows)
-        dims = _dims_of(node)
-        return dims is not None and 0 not in [d % source.dim() for d in dims]
-    return False
-
-
-def _dims_of(node: torch.fx.Node) -> list[int] | None:
-    """The dims an op of _SHAPE works on (dim 0 must not be among them); [] for views that keep it."""
-    t, args = node.target, node.args
-    if t in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default):
-        return []  # dim 0 kept (checked by the caller): a contiguous row stays one row
-    if t is aten.unsqueeze.default:
-        return [args[1]] if args[1] % (node.meta["val"].dim()) != 0 else [0]
-    if t in (aten.squeeze.dim, aten._softmax.default, aten.slice.Tensor):
-        return [args[1] if len(args) > 1 else 0]
-    if t in (aten.squeeze.dims, aten.sum.dim_IntList, aten.mean.dim):
-        return list(args[1]) if args[1] else [0]
-    if t in (aten.split_with_sizes.default, aten.split.Tensor):
-        return [args[2] if len(args) > 2 else 0]
-    if t is aten.transpose.int:
-        return [args[1], args[2]]
-    if t is aten.permute.default:
-        return [0] if args[1][0] % len(args[1]) != 0 else []
-    return None
-
-
 def segment_module(graph: torch.fx.Graph, dispatch: Dispatch) -> torch.fx.GraphModule:
     """The segment as a module: inputs (``dispatch.inputs`` in order), then one ids tensor per
     gather, then the gathered weights; returns the outputs as a tuple."""
@@ -221,7 +193,9 @@ def segment_module(graph: torch.fx.Graph, dispatch: Dispatch) -> torch.fx.GraphM
     weights = {g: sub.placeholder(f"w_{g}") for g in dispatch.gathers}
     for name in dispatch.segment:
         node = by_name[name]
-        if name in ids:
+        if name in ids and node.target is EXPERT_MM:
+            env[node] = sub.call_function(EXPERT_MM, (env[node.args[0]], weights[name], ids[name]))
+        elif name in ids:
             env[node] = sub.call_function(aten.index.Tensor, (weights[name], [ids[name]]))
         else:
             env[node] = sub.node_copy(node, lambda a: env[a])
@@ -237,7 +211,7 @@ def _rows_independent(graph, dispatch: Dispatch, values: dict[str, torch.Tensor]
     memo = {} if memo is None else memo
     inputs = [evaluate(by_name[n], values, memo) for n in dispatch.inputs]
     ids = evaluate(by_name[dispatch.ids], values, memo)
-    weights = [values.get(w) for w in dispatch.weights]
+    weights = [evaluate(gathered_weight(by_name[g]), values, memo) for g in dispatch.gathers]
     if any(v is None for v in [*inputs, ids, *weights]):
         return True
     module = segment_module(graph, dispatch)
@@ -271,12 +245,13 @@ def add_expert_dispatch(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> N
             gather = by_name[name]
             own = [s for s in gather.meta[STRATEGIES_KEY] if s.exchange != EXPERT_DISPATCH]
             twins = []
+            at = weight_position(gather)  # the weights, then the ids
             for s in own:
-                weight, ids = s.inputs
+                weight, ids = s.inputs[at:at + 2]
                 for d in dims:
                     if pl.is_replicated(weight) and ids[d] is pl.Shard(0) and s.outputs[0][d] is pl.Shard(0):
-                        twins.append(Strategy(s.outputs, (pl.with_dim(weight, d, pl.Shard(0)), pl.with_dim(ids, d, pl.D)),
-                                              exchange=EXPERT_DISPATCH))
+                        placed = (pl.with_dim(weight, d, pl.Shard(0)), pl.with_dim(ids, d, pl.D))
+                        twins.append(Strategy(s.outputs, (*s.inputs[:at], *placed), exchange=EXPERT_DISPATCH))
             gather.meta[STRATEGIES_KEY] = own + list(dict.fromkeys(twins))
 
 

@@ -35,6 +35,7 @@ import torch
 
 from autopar.passes.capture import Captured
 from autopar.passes.expert_dispatch import annotate_dispatches
+from autopar.passes.expert_mm import EXPERT_MM
 from autopar.passes.expert_order import Relabel, find_relabel
 from autopar.passes.stack_experts import STACKED_KEY
 from autopar.passes.values import evaluate, real_values
@@ -83,6 +84,11 @@ def annotate_experts(captured: Captured, example_inputs=None) -> list[ExpertGrou
             continue
         if _reaches_batched_matmul(node, val.shape[0]):
             by_module.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append(node)
+    for node in graph.nodes:  # per-expert biases (E, out) beside the weights, gathered per row (GPT-OSS)
+        fqn = captured.parameter_of.get(node.name)
+        module = fqn.rsplit(".", 1)[0] if fqn and "." in fqn else ""
+        if fqn is not None and module in by_module and node not in by_module[module] and _gathered_per_row(node):
+            by_module[module].append(node)
     groups = []
     values = None
     memo: dict = {}
@@ -139,11 +145,14 @@ def _common_prefix(prefixes) -> str:
 
 
 def _reaches_batched_matmul(node: torch.fx.Node, experts: int, depth: int = 8, gathered: bool = False) -> bool:
-    """Through reshapes to a ``bmm`` over the experts (grouped form), or through a gather of
-    experts per token (``weight[ids]``, the "batched_mm" form of transformers' Mixtral) to a
-    ``bmm`` over tokens."""
+    """Through reshapes to a ``bmm`` over the experts (grouped form) or to the weights of a
+    per-row expert product (``autopar::expert_mm``, grouped-GEMM experts as
+    passes.grouped_experts rewrites them), or through a gather of experts per token
+    (``weight[ids]``, the "batched_mm" form of transformers' Mixtral) to a ``bmm`` over tokens."""
     for user in node.users:
         if user.target in _BATCHED and (gathered or user.meta["val"].shape[0] == experts):
+            return True
+        if user.target is EXPERT_MM and user.args[1] is node and not gathered:  # grouped GEMM, per row
             return True
         if depth > 0 and user.target in _RESHAPES and _reaches_batched_matmul(user, experts, depth - 1, gathered):
             return True
@@ -151,6 +160,15 @@ def _reaches_batched_matmul(node: torch.fx.Node, experts: int, depth: int = 8, g
                 and _reaches_batched_matmul(user, experts, depth - 1, True)):
             return True
     return False
+
+
+def _gathered_per_row(node: torch.fx.Node) -> bool:
+    """Whether ``node`` (a parameter of two or more dims) is indexed by per-row ids: ``b[ids]``."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() >= 2 and any(
+        user.target is aten.index.Tensor and user.args[0] is node and len(user.args[1]) == 1
+        and isinstance(user.args[1][0], torch.fx.Node) and user.args[1][0].meta["val"].dim() == 1
+        for user in node.users)
 
 
 def _router(graph: torch.fx.Graph, module: str, experts: int) -> torch.fx.Node | None:

@@ -14,7 +14,7 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import runtime
-from autopar.passes.expert_dispatch import Dispatch, segment_module
+from autopar.passes.expert_dispatch import Dispatch, gathered_weight, segment_module, weight_position
 from autopar.passes.sparse import POOLS
 
 
@@ -40,7 +40,7 @@ def fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.No
         attr = f"_autopar_dispatch_{k}"
         setattr(gm, attr, segment)
         ids, inputs = by_name[dispatch.ids], [by_name[name] for name in dispatch.inputs]
-        weights = [by_name[g].args[0] for g in dispatch.gathers]
+        weights = [gathered_weight(by_name[g]) for g in dispatch.gathers]
         position = {n: i for i, n in enumerate(graph.nodes)}
         last = max([ids, *inputs, *weights], key=position.get)
         row_spec = pl.format_spec(pl.Shard(0) if p is pl.D else p for p in plan.nodes[dispatch.ids].output_spec())
@@ -51,7 +51,8 @@ def fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.No
         with graph.inserting_after(segment_node):
             fused = graph.call_function(runtime.dispatch_experts, (
                 segment_node, mesh_node, entry["dim"], dispatch.experts, ids, inputs, list(dispatch.row_inputs),
-                weights, [plan.nodes[g].inputs[0] for g in dispatch.gathers], row_spec, out_specs))
+                weights, [plan.nodes[g].inputs[weight_position(by_name[g])] for g in dispatch.gathers], row_spec,
+                out_specs))
         anchor = fused
         for t, name in enumerate(dispatch.outputs):
             with graph.inserting_after(anchor):

@@ -237,6 +237,36 @@ class GatheredMoE(nn.Module):
         return x + out.view(x.shape[0], self.top_k, -1).sum(1)
 
 
+class GroupedMoE(nn.Module):
+    """Grouped-GEMM experts, as transformers' default "grouped_mm" experts and torchtitan's
+    MoE run them: the (token, choice) rows sorted by expert, each expert's block multiplied by
+    ``torch._grouped_mm`` (block ends: cumulative counts), the rows put back in their
+    order. ``mix_rows`` centres the hidden rows over all rows (each row then depends on the
+    others, so the sort matters and the layer must stay as written)."""
+
+    def __init__(self, d: int = 32, hidden: int = 16, experts: int = 4, top_k: int = 2, mix_rows: bool = False) -> None:
+        super().__init__()
+        self.top_k, self.experts, self.mix_rows = top_k, experts, mix_rows
+        self.router = nn.Linear(d, experts, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(experts, d, 2 * hidden) * d ** -0.5)
+        self.down = nn.Parameter(torch.randn(experts, hidden, d) * hidden ** -0.5)
+
+    def forward(self, x):  # (T, d)
+        weights, chosen = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        ids, order = torch.sort(chosen.reshape(-1))
+        rows = x[order // self.top_k]
+        counts = torch.histc(ids.float(), bins=self.experts, min=0, max=self.experts - 1)  # bincount's shape is data's
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(rows, self.gate_up, offs=offs).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        if self.mix_rows:
+            hidden = hidden - hidden.mean(0)
+        out = torch._grouped_mm(hidden, self.down, offs=offs) * weights.reshape(-1)[order].unsqueeze(-1)
+        restore = torch.empty_like(order)
+        restore[order] = torch.arange(order.shape[0])
+        return x + out[restore].view(x.shape[0], self.top_k, -1).sum(1)
+
+
 class MoEBlock(Block):
     """Pre-norm transformer block whose feed-forward is a mixture of experts."""
 

@@ -6,11 +6,13 @@ default MoE experts); capture switches the cache off itself (passes.training_for
 settings that remain, and why:
   * small sizes (layers, widths, heads, experts, vocabulary) so a test runs in seconds; where a
     default depends on them they are set too: Phi-3's ``pad_token_id`` (its default 32000 is
-    past our small vocabulary), Qwen3's and Gemma-2's ``head_dim`` (their defaults, 128 and
-    256, are larger than the small width);
-  * Mixtral: ``_experts_implementation="batched_mm"`` — not needed to capture, but the default
-    grouped_mm experts get no expert parallelism yet (issue 22, item 3) and this entry tests
-    the dispatch; Qwen3-MoE and OLMoE keep their default grouped_mm experts (replicated);
+    past our small vocabulary), Qwen3's, Gemma-2's and GPT-OSS's ``head_dim`` (their defaults,
+    128, 256 and 64, are larger than the small width's heads);
+  * the MoE families (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE with its shared expert, GraniteMoE,
+    GPT-OSS with its expert biases; all with their default grouped_mm experts)
+    read sequences of :data:`MOE_SEQ` tokens: with fewer rows per expert, splitting each expert
+    inside beats sending the rows to their experts' owners (the all-to-alls' latency), and the
+    equivalence runs would not test the dispatch;
   * T5: decoder ids are a keyword argument, so a wrapper passes them;
   * every model runs in eval mode (no dropout), so a parallel run can match a single one;
   * outputs are reduced to one tensor (logits or the last hidden state) by a thin wrapper
@@ -58,6 +60,7 @@ def declare_unloadable_torchvision_ops() -> None:
 declare_unloadable_torchvision_ops()
 
 VOCAB, SEQ, BATCH = 256, 16, 4
+MOE_MODELS, MOE_SEQ = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "granite_moe", "gpt_oss"), 64
 
 
 class Wrapped(nn.Module):
@@ -100,6 +103,11 @@ _CAUSAL = {
     "qwen3_moe": ("Qwen3MoeConfig", {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
                                      "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
     "olmoe": ("OlmoeConfig", {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "granite_moe": ("GraniteMoeConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gpt_oss": ("GptOssConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "head_dim": 16}),
 }
 
 
@@ -120,12 +128,12 @@ def _build(name: str):
         return Wrapped(T.MistralForCausalLM(cfg), ("input_ids",), "logits"), (_tokens(),)
     if name == "mixtral":
         cfg = T.MixtralConfig(**_small(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2))
-        cfg._experts_implementation = "batched_mm"
-        return Wrapped(T.MixtralForCausalLM(cfg), ("input_ids",), "logits"), (_tokens(),)
+        return Wrapped(T.MixtralForCausalLM(cfg), ("input_ids",), "logits"), (_tokens(seq=MOE_SEQ),)
     if name in _CAUSAL:
         config_class, options = _CAUSAL[name]
         cfg = getattr(T, config_class)(**_small(**options))
-        return Wrapped(T.AutoModelForCausalLM.from_config(cfg), ("input_ids",), "logits"), (_tokens(),)
+        seq = MOE_SEQ if name in MOE_MODELS else SEQ
+        return Wrapped(T.AutoModelForCausalLM.from_config(cfg), ("input_ids",), "logits"), (_tokens(seq=seq),)
     if name == "bert":
         cfg = T.BertConfig(**_small())
         return Wrapped(T.BertModel(cfg), ("input_ids",), "last_hidden_state"), (_tokens(),)
@@ -166,7 +174,7 @@ MODELS = TRANSFORMERS_MODELS + TIMM_MODELS
 
 
 # entries not built as their library's default config gives them (beyond small sizes), and why
-NOT_DEFAULT = {"mixtral": "batched_mm experts (the dispatch's test; grouped_mm has no expert parallelism yet)"}
+NOT_DEFAULT: dict[str, str] = {}
 
 
 def library(name: str) -> str:
@@ -174,10 +182,10 @@ def library(name: str) -> str:
     return "timm" if name in TIMM_MODELS else "transformers"
 # memory limit for the equivalence runs, as a fraction of the unconstrained plan's footprint:
 # low enough to force sharding, high enough to stay feasible (Mixtral's experts, ResNet and ConvNeXt need more)
-MEMORY_FRACTION = {"mixtral": 0.9, "resnet": 0.7, "convnext": 0.7}
-# Mixtral's case tests the expert dispatch (rows sent to the experts' owners): with overlap, the
-# gathers of whole experts hide behind compute at these small sizes and win over the dispatch
-PLAN_OPTIONS = {"mixtral": {"overlap": False}}
+MEMORY_FRACTION = {"resnet": 0.7, "convnext": 0.7}
+# the MoE cases test the expert dispatch (rows sent to the experts' owners): with overlap, splitting
+# each expert inside hides its collectives behind compute at these small sizes and wins over it
+PLAN_OPTIONS = {name: {"overlap": False} for name in MOE_MODELS}
 FRACTION_BY_WORLD = {2: 0.6, 4: 0.5}
 
 

@@ -11,10 +11,12 @@ once (EmbeddingBag fuses it away); it is not kept for backward.
 
 Bags of varying size — the form DLRM and TorchRec use, ``bag(ids, offsets)`` with 1-D ids
 and the offsets as an input — become the lookup of every id, ``(N, dim)``, summed into its bag
-by ``index_add`` with each id's bag number from ``repeat_interleave(lengths)`` (``output_size``
-N, so every shape stays fixed), divided by the bag's length for ``mean`` (an empty bag is
-zeros, as EmbeddingBag gives). The lookup is what the sparse planning shards and exchanges;
-the pooling runs where DTensor has no rule (replicated). ``max`` mode, ``padding_idx`` and
+by ``autopar::pool_rows`` (passes.bag_pooling) with each id's bag number from
+``repeat_interleave(lengths)`` (``output_size`` N, so every shape stays fixed), divided by the
+bag's length for ``mean`` (an empty bag is zeros, as EmbeddingBag gives). The lookup is what
+the sparse planning shards and exchanges; the pooling splits with it — the ids split evenly
+over devices, each pooling its rows into partial bags then reduced or reduce-scattered by
+bag (TorchRec's row-wise output), or the columns split. ``max`` mode, ``padding_idx`` and
 ``scale_grad_by_freq`` stay as they are (they run replicated and forward-only; a warning says
 so).
 """
@@ -26,6 +28,8 @@ import operator
 
 import torch
 from torch._guards import detect_fake_mode
+
+from autopar.passes.bag_pooling import POOL_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,6 @@ def _rewrite_jagged(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> No
     n = indices.meta["val"].numel()
     last = _argument(node, 7, "include_last_offset", False)
     bags = offsets.meta["val"].numel() - (1 if last else 0)
-    dim = weight.meta["val"].shape[1]
     add = _adder(graph, node, fake_mode)
     with graph.inserting_before(node):
         rows = add(aten.embedding.default, weight, indices)  # (N, dim)
@@ -138,8 +141,7 @@ def _rewrite_jagged(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> No
                                add(aten.full.default, [1], n, dtype=offsets.meta["val"].dtype)])
         lengths = add(aten.sub.Tensor, ends, starts)  # (bags,): ids per bag, 0 for an empty one
         bag_of = add(aten.repeat_interleave.Tensor, lengths, output_size=n)  # (N,): each id's bag
-        zeros = add(aten.full.default, [bags, dim], 0.0, dtype=rows.meta["val"].dtype)
-        pooled = add(aten.index_add.default, zeros, 0, bag_of, rows)  # (bags, dim)
+        pooled = add(POOL_ROWS, rows, bag_of, bags)  # (bags, dim)
         if _argument(node, 4, "mode", 0) == _MEAN:
             count = add(aten.clamp_min.default, add(aten.unsqueeze.default, lengths, -1), 1)
             pooled = add(aten.div.Tensor, pooled, count)

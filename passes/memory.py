@@ -8,7 +8,8 @@ freed once its consumers have run (a transient, not part of the steady footprint
     embedding's weight side, padding) keep none of their inputs;
   * ops whose gradient is written in terms of their result (softmax, log-softmax, exp, tanh,
     sigmoid, sqrt, rsqrt) keep their output instead of their input;
-  * ``where`` keeps its condition only; ops without a floating-point output (comparisons,
+  * ``where`` keeps its condition only, pooling rows into bags (``autopar::pool_rows``) each
+    row's bag number; ops without a floating-point output (comparisons,
     masks, index arithmetic) have no gradient and keep nothing;
   * every other op keeps all its tensor inputs (conservative: mm, bmm, mul, div, gelu, norms…);
   * extra outputs of multi-output ops (a norm's mean and rstd, pooling indices) are saved
@@ -39,7 +40,7 @@ _KEEPS_NOTHING = {
     "embedding", "repeat", "flip", "roll", "lift_fresh_copy", "detach",
 }
 _KEEPS_OUTPUT = {"_softmax", "_log_softmax", "exp", "tanh", "sigmoid", "sqrt", "rsqrt"}
-_KEEPS_FIRST = {"where"}
+_KEEPS_ONE = {"where": 0, "pool_rows": 1}  # the condition; the rows' bag numbers (not the rows)
 # fused attention saves its inputs, its output and the (B, H, L) log-sum-exp of the scores
 # (not counted: 1/E of the output's elements); never the (L, S) scores themselves
 _KEEPS_INPUTS_AND_OUTPUT = {"scaled_dot_product_attention"}
@@ -78,8 +79,8 @@ def annotate_saved(graph: torch.fx.Graph) -> None:
             kept.add((node.name, 0))
             for arg in tensor_args(node):
                 keep(arg)
-        elif name in _KEEPS_FIRST:
-            keep(tensor_args(node)[0])
+        elif name in _KEEPS_ONE:
+            keep(tensor_args(node)[_KEEPS_ONE[name]])
         elif name not in _KEEPS_NOTHING and not is_view_op(node):
             for arg in tensor_args(node):
                 keep(arg)

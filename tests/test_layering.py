@@ -56,7 +56,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "cluster_file", "mesh", "comm", "plan",
                                   "plan_types", "plan_io", "problem", "placements", "files")}
-OPS = {"autopar.passes.dtensor_ops", "autopar.passes.expert_mm"}
+OPS = {"autopar.passes.dtensor_ops", "autopar.passes.expert_mm", "autopar.passes.bag_pooling"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "context_parallel", "cost", "decompose", "embedding_bag", "expert_dispatch", "expert_order", "experts", "grouped_experts", "layers", "memory",
     "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sparse", "stack_experts", "stages", "strategies", "symbolic",

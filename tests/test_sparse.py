@@ -20,6 +20,7 @@ from autopar.comm import all_to_all_s
 from autopar.mesh import checked_mesh
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
+from autopar.passes.memory import SAVED_KEY, annotate_saved
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
 from autopar.planning.costing import communication_bytes, recost
 from autopar.report import sparse_table
@@ -96,6 +97,26 @@ def test_jagged_bags_rewrite_matches_embedding_bag_forward_and_backward(mode, la
                                atol=1e-5)
 
 
+def test_jagged_bags_pool_where_their_table_is_split():
+    """Under a memory limit the large tables are split by columns; each device then pools its
+    columns of every bag (``autopar::pool_rows``), not the whole rows gathered first; the
+    pooling keeps only the rows' bag numbers for backward, not the looked-up rows."""
+    torch.manual_seed(0)
+    model = models.JaggedDLRM()
+    inputs = models.jagged_dlrm_inputs(model, 16)
+    full = autopar.plan(model, inputs, cluster="2xcpu")
+    plan = autopar.plan(model, inputs, cluster="2xcpu", memory_limit=int(0.6 * full.memory.total_bytes))
+    pools = {name: node for name, node in plan.nodes.items() if name.startswith("pool_rows")}
+    assert len(pools) == 3
+    split = [name for name, node in pools.items() if node.outputs == ("S(1)",)]
+    assert split and all(node.inputs[0] == "S(1)" for name, node in pools.items() if name in split), pools
+    assert plan.parameters["embeddings.0.weight"].exchange == "column_sharded"
+    captured = capture(model, inputs)
+    annotate_saved(captured.graph)
+    pooled_rows = [n.args[0] for n in captured.graph.nodes if n.name in pools]
+    assert len(pooled_rows) == 3 and not any(rows.meta[SAVED_KEY][0] for rows in pooled_rows)
+
+
 JAGGED = [("JaggedDLRM", {}, "jagged", 16, options) for options in (
     {"configuration": "ddp"}, {"configuration": "row_wise"}, {"memory_fraction": 0.6})]
 
@@ -105,10 +126,12 @@ JAGGED = [("JaggedDLRM", {}, "jagged", 16, options) for options in (
 def test_jagged_dlrm_trains_like_one_process(world):
     """DLRM fed as TorchRec feeds it (1-D ids + offsets, bags of 0–5 ids, sum with
     per-sample weights, mean, include_last_offset) trains on gloo like one process: DDP,
-    tables row-sharded with lookups routed to the rows' owners, and under a memory limit."""
+    tables row-sharded with lookups routed to the rows' owners, and under a memory limit —
+    where the largest table is split by columns and its bags pooled by columns
+    (``autopar::pool_rows``' rule; before, the pooling ran replicated on gathered rows)."""
     cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}) for case in JAGGED]
     exchanges = assert_equivalent(cases, run_world(world, run_cases, cases))
-    assert "row_sharded" in exchanges, exchanges
+    assert {"row_sharded", "column_sharded"} <= exchanges, exchanges
 
 
 def test_touched_rows_come_from_user_inputs_or_uniform_draws():

@@ -3,8 +3,10 @@ whether it is built with its default config, aten nodes, planning time on 8xH100
 equivalence of one training step at world sizes 2 and 4 (gloo) against the single-process model.
 
     pip install ".[zoo]" && python benchmarks/model_zoo.py
+    python benchmarks/model_zoo.py deepseek_v3 gpt_oss    # some entries only
 
-Results: a Markdown table on stdout and benchmarks/results/model_zoo.json. tests/test_zoo.py
+Results: a Markdown table on stdout and benchmarks/results/model_zoo.json (model_zoo-<names>.json
+for some entries). tests/test_zoo.py
 checks the same small configs.
 """
 
@@ -57,8 +59,12 @@ def _check_equivalence(rows: list[dict], planned: list[str], world: int) -> None
 
 
 def main() -> None:
+    names = sys.argv[1:] or list(zoo.MODELS)
+    unknown = sorted(set(names) - set(zoo.MODELS))
+    if unknown:
+        raise SystemExit(f"not in the zoo: {', '.join(unknown)} (entries: {', '.join(zoo.MODELS)})")
     rows = []
-    for name in zoo.MODELS:
+    for name in names:
         row = {"model": name, "default_config": name not in zoo.NOT_DEFAULT}
         try:
             model, inputs = zoo.build(name)
@@ -88,7 +94,8 @@ def main() -> None:
         print(f"| {r['model']} | {default} | {r['aten_nodes']} | {r['plan_s_8xH100']} | {r['plan_s_2x8xH100']} | "
               f"{', '.join(r['fallback_ops']) or 'none'} | {verdicts} |")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "model_zoo.json"), "w") as f:
+    suffix = "" if names == list(zoo.MODELS) else "-" + "-".join(names)
+    with open(os.path.join(HERE, "results", f"model_zoo{suffix}.json"), "w") as f:
         json.dump(rows, f, indent=1)
 
 

@@ -13,7 +13,7 @@ expert: Megatron's all-to-all token dispatcher. Here it is one fused region:
     (token, choice) and that compute each row on its own (gathers, batched matmuls,
     activations, the routing weights' product…; checked op by op and, with real values, by
     permuting the rows);
-  * its **dispatch** (lowered by ``runtime.dispatch_experts``): each device sends its rows
+  * its **dispatch** (lowered by ``expert_runtime.dispatch_experts``): each device sends its rows
     (and their ids) to the owner of their expert along one mesh dim — one
     ``all_to_all_single`` with the counts exchanged first — the owner runs the segment on
     them with its block of every gathered weight (``Shard(0)``: E/n experts each), and the

@@ -1,6 +1,6 @@
 """Regions of the lowered graph that become one runtime call each (passes.lower's helpers):
 a dispatched MoE segment (experts gathered per token whose rows go to their owners,
-passes.expert_dispatch) -> ``runtime.dispatch_experts``; table-wise lookups and their bag
+passes.expert_dispatch) -> ``expert_runtime.dispatch_experts``; table-wise lookups and their bag
 pooling -> ``runtime.table_wise_lookups``, one fused exchange per run of them."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import torch
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
-from autopar.passes import runtime
+from autopar.passes import expert_runtime, runtime
 from autopar.passes.expert_dispatch import Dispatch, gathered_weight, segment_module, weight_position
 from autopar.passes.sparse import POOLS
 
 
 def fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.Node, produced: dict) -> None:
     """Replace each MoE layer's dispatched segment (experts gathered per token whose rows go to
-    their owners, passes.expert_dispatch) by one ``runtime.dispatch_experts`` call: the
+    their owners, passes.expert_dispatch) by one ``expert_runtime.dispatch_experts`` call: the
     segment becomes a submodule the call runs on the owners."""
     graph = gm.graph
     for k, (module, layer) in enumerate(sorted(plan.experts.items())):
@@ -49,7 +49,7 @@ def fuse_dispatches(gm: torch.fx.GraphModule, plan: Plan, mesh_node: torch.fx.No
             warnings.simplefilter("ignore", UserWarning)
             segment_node = graph.get_attr(attr)
         with graph.inserting_after(segment_node):
-            fused = graph.call_function(runtime.dispatch_experts, (
+            fused = graph.call_function(expert_runtime.dispatch_experts, (
                 segment_node, mesh_node, entry["dim"], dispatch.experts, ids, inputs, list(dispatch.row_inputs),
                 weights, [plan.nodes[g].inputs[weight_position(by_name[g])] for g in dispatch.gathers], row_spec,
                 out_specs))

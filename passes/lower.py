@@ -10,7 +10,7 @@ The emitted module is ``ExportedProgram.module()`` with
   * ``relabel_experts`` after a router whose experts are placed in a balanced order
     (passes.expert_order; their stacks then list the experts in that order, stacked expert
     weights hold their rows in that order);
-  * ``dispatch_experts`` for experts gathered per token whose rows go to their owners
+  * ``dispatch_experts`` (passes.expert_runtime) for experts gathered per token whose rows go to their owners
     (passes.expert_dispatch: the region they run through becomes one call);
   * ``table_wise_lookups`` for lookups in tables that live whole on one device (table-wise):
     every owner pools its tables' bags, one all-to-all for all of them;
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
-from autopar.passes import runtime
+from autopar.passes import expert_runtime, runtime
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
 from autopar.passes.attention_runtime import local_attention
 from autopar.passes.context_parallel import BALANCED_CAUSAL
@@ -264,7 +264,7 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
-                  runtime.table_wise_lookups, runtime.dispatch_experts, local_attention}
+                  runtime.table_wise_lookups, expert_runtime.dispatch_experts, local_attention}
 
 
 def _gathers(have: str | None, want: str) -> bool:

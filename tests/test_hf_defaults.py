@@ -69,15 +69,15 @@ def test_a_model_output_comes_back_as_the_model_gives_it_and_trains_like_one_pro
 
 
 def test_the_zoo_builds_its_language_models_as_their_configs_give_them():
-    """≥ 12 causal-LM families, dense and MoE, none with the cache switched off by hand, the MoE
-    ones with transformers' default grouped_mm experts (Mixtral excepted, by name in the zoo)."""
+    """≥ 12 causal-LM families, dense and MoE, none with the cache switched off by hand, every
+    MoE one (the zoo's ``MOE_MODELS``) with transformers' default grouped_mm experts."""
     pytest.importorskip("transformers", reason="needs the [zoo] extra: pip install '.[zoo]'")
     assert len(zoo.LANGUAGE_MODELS) >= 12
     moe = set()
     for name in zoo.LANGUAGE_MODELS:
         config = zoo.build(name)[0].model.config
         assert config.use_cache is True, name
-        if any(key in config.to_dict() for key in ("num_local_experts", "num_experts")):
+        if any(key in config.to_dict() for key in ("num_local_experts", "num_experts", "n_routed_experts")):
             moe.add(name)
             assert config._experts_implementation == "grouped_mm" or name in zoo.NOT_DEFAULT, name
-    assert len(moe) >= 3 and set(zoo.NOT_DEFAULT) <= moe, moe
+    assert moe == set(zoo.MOE_MODELS) and set(zoo.NOT_DEFAULT) <= moe, moe

@@ -21,8 +21,9 @@ def _needs(package: str) -> None:
 
 # MoE families whose grouped experts plan as Qwen3-MoE's and OLMoE's do (25 entries × 2
 # clusters is most of this file's CI time): planned here at 2 ranks (GPT-OSS, its expert
-# biases) or only in benchmarks/model_zoo.py (Qwen2-MoE, GraniteMoE)
-PLANNED_IN_BENCHMARK_ONLY = ("qwen2_moe", "granite_moe", "gpt_oss")
+# biases) or only in benchmarks/model_zoo.py (Qwen2-MoE, GraniteMoE; DeepSeek-V3, which plans but
+# does not lower yet: its attention writes into an empty tensor, docs/benchmarks.md)
+PLANNED_IN_BENCHMARK_ONLY = ("qwen2_moe", "granite_moe", "gpt_oss", "deepseek_v3")
 
 
 @pytest.mark.parametrize("name", [m for m in zoo.MODELS if m not in PLANNED_IN_BENCHMARK_ONLY])

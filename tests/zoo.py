@@ -8,8 +8,12 @@ settings that remain, and why:
     default depends on them they are set too: Phi-3's ``pad_token_id`` (its default 32000 is
     past our small vocabulary), Qwen3's, Gemma-2's and GPT-OSS's ``head_dim`` (their defaults,
     128, 256 and 64, are larger than the small width's heads);
+  * DeepSeek-V3: its dense first layers (``first_k_dense_replace``, 3), expert groups
+    (``n_group``/``topk_group``, 8 and 4) and low-rank attention widths are set to fit two
+    layers, four experts and the small width — it keeps its shared expert, sigmoid router and
+    multi-head latent attention;
   * the MoE families (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE with its shared expert, GraniteMoE,
-    GPT-OSS with its expert biases; all with their default grouped_mm experts)
+    GPT-OSS with its expert biases, DeepSeek-V3; all with their default grouped_mm experts)
     read sequences of :data:`MOE_SEQ` tokens: with fewer rows per expert, splitting each expert
     inside beats sending the rows to their experts' owners (the all-to-alls' latency), and the
     equivalence runs would not test the dispatch;
@@ -60,7 +64,7 @@ def declare_unloadable_torchvision_ops() -> None:
 declare_unloadable_torchvision_ops()
 
 VOCAB, SEQ, BATCH = 256, 16, 4
-MOE_MODELS, MOE_SEQ = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "granite_moe", "gpt_oss"), 64
+MOE_MODELS, MOE_SEQ = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "granite_moe", "gpt_oss", "deepseek_v3"), 64
 
 
 class Wrapped(nn.Module):
@@ -108,6 +112,11 @@ _CAUSAL = {
     "granite_moe": ("GraniteMoeConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}),
     "gpt_oss": ("GptOssConfig", {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "head_dim": 16}),
+    "deepseek_v3": ("DeepseekV3Config", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1,
+                                         "topk_group": 1, "q_lora_rank": None, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+                                         "head_dim": 8}),
 }
 
 

@@ -46,13 +46,18 @@ def _op_name(node: torch.fx.Node) -> str | None:
     return schema.name if schema is not None else None
 
 
+def _offsets(product: torch.fx.Node):
+    """A grouped product's ``offs`` argument (positional or keyword; None when absent)."""
+    return product.args[2] if len(product.args) > 2 else product.kwargs.get("offs")
+
+
 def grouped_products(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """The grouped matrix products (``grouped_mm`` with offsets, no bias, no output dtype)."""
     found = []
     for node in graph.nodes:
         if node.op != "call_function" or _op_name(node) not in _GROUPED:
             continue
-        offs = node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+        offs = _offsets(node)
         extras = [*node.args[3:], *(v for k, v in node.kwargs.items() if k != "offs")]
         if isinstance(offs, torch.fx.Node) and all(e is None for e in extras):
             found.append(node)
@@ -158,7 +163,7 @@ class _Region:
                 log.info("grouped experts after %s left as captured: %s (%s) reads the sorted rows and is "
                          "not one of the ops the rewrite knows", self.sort.name, node.name, node.target)
                 return False
-        offsets = {p.args[2] if len(p.args) > 2 else p.kwargs["offs"] for p in self.products}
+        offsets = {_offsets(p) for p in self.products}
         return bool(self.products) and bool(self.restores) and offsets <= self.removed \
             and all(_sorted_ids(o) is self.values for o in offsets)
 
@@ -169,8 +174,7 @@ def ungroup_experts(graph: torch.fx.Graph) -> int:
     products = grouped_products(graph)
     sorts = {}
     for product in products:
-        offs = product.args[2] if len(product.args) > 2 else product.kwargs["offs"]
-        values = _sorted_ids(offs)
+        values = _sorted_ids(_offsets(product))
         if values is not None and _is_sort_of_rows(values.args[0]):
             sorts.setdefault(values.args[0], set()).add(product)
     rewritten = 0

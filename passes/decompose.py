@@ -48,7 +48,7 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
     fake_mode = detect_fake_mode([v for v in placeholders if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         return program.run_decompositions(decomposition_table())
-    table = core_aten_decompositions()
+    table = {**core_aten_decompositions(), **OVERRIDES}
     cache: dict = {}
     try:
         for node in list(graph.nodes):
@@ -65,11 +65,49 @@ def decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedPro
 
 
 def decomposition_table() -> dict:
-    """torch.export's default decompositions to core ATen, less the fused ops we keep."""
+    """torch.export's default decompositions to core ATen, less the fused ops we keep, plus
+    :data:`OVERRIDES`."""
     table = torch.export.default_decompositions()
     for op in KEPT_FUSED:
         table.pop(op, None)
-    return table
+    return {**table, **OVERRIDES}
+
+
+def _slice_scatter_by_cat(input, src, dim=0, start=None, end=None, step=1):
+    """``slice_scatter`` with step 1 as the concatenation of the kept slices and ``src``.
+
+    Why: autograd's backward of ``slice_scatter`` builds the zero gradient for the scattered
+    slice with a plain ``zeros`` tensor, which a DTensor gradient cannot be mixed with
+    (``aten.slice_scatter.default got mixed torch.Tensor and DTensor`` in backward; DeepSeek-V3's
+    attention builds its keys by slice assignment into ``new_empty``). ``cat`` and ``slice``
+    have DTensor rules both ways. Other steps stay as they are (NotImplemented)."""
+    if step != 1:
+        return NotImplemented
+    dim = dim % input.dim()
+    size = input.shape[dim]
+    start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
+    end = size if end is None else min(max(end + size if end < 0 else end, start), size)
+    pieces = [torch.ops.aten.slice.Tensor(input, dim, 0, start)] if start > 0 else []
+    pieces.append(src)
+    if end < size:
+        pieces.append(torch.ops.aten.slice.Tensor(input, dim, end, size))
+    return torch.ops.aten.cat.default(pieces, dim) if len(pieces) > 1 else torch.ops.aten.clone.default(src)
+
+
+def _copy_by_clone(self, src, non_blocking=False):
+    """Functional ``copy`` (what functionalization makes of ``out[...] = value``) as ``src``
+    converted to ``self``'s dtype, broadcast to its shape and cloned: autograd has no
+    derivative for ``aten::copy`` (the lowered program's backward fails on it) and DTensor
+    no rule; the forms here have both. ``self`` is overwritten whole, so nothing reads it."""
+    value = src if src.dtype == self.dtype else torch.ops.aten._to_copy.default(src, dtype=self.dtype)
+    if tuple(value.shape) != tuple(self.shape):
+        value = torch.ops.aten.expand.default(value, list(self.shape))
+    return torch.ops.aten.clone.default(value)
+
+
+# our decompositions, on top of core ATen's
+OVERRIDES = {torch.ops.aten.slice_scatter.default: _slice_scatter_by_cat,
+             torch.ops.aten.copy.default: _copy_by_clone}
 
 
 def _spliceable(program: torch.export.ExportedProgram) -> bool:

@@ -228,14 +228,18 @@ def _has_rule(op, prop) -> bool:
 @functools.lru_cache(maxsize=None)
 def _backward_supported(op, prop) -> bool:
     """False when ``aten.<name>_backward`` exists but DTensor has no rule for it (e.g. avg_pool2d):
-    autograd would hit it on DTensors, so the op must run locally instead."""
+    autograd would hit it on DTensors, so the op must run locally instead. A backward that is
+    CompositeImplicitAutograd (``gather_backward``: zeros + scatter_add) never reaches DTensor
+    as itself — it decomposes into ops with rules — so it does not count."""
     packet = getattr(op, "overloadpacket", None)
     if packet is None:
         return True
     candidates = [getattr(torch.ops.aten, f"{packet.__name__}{suffix}", None)
                   for suffix in ("_backward", "_dense_backward")]
-    candidates = [c for c in candidates if c is not None]
-    return not candidates or any(_has_rule(getattr(c, name), prop) for c in candidates for name in c.overloads())
+    overloads = [getattr(c, name) for c in candidates if c is not None for name in c.overloads()]
+    overloads = [o for o in overloads if not torch._C._dispatch_has_kernel_for_dispatch_key(
+        o.name(), torch._C.DispatchKey.CompositeImplicitAutograd)]
+    return not overloads or any(_has_rule(o, prop) for o in overloads)
 
 
 def evenly_sharded(shape, spec: pl.Spec, mesh_shape: tuple[int, ...]) -> bool:

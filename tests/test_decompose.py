@@ -40,6 +40,21 @@ class Normed(nn.Module):
         return self.head(y.mean(dim=(2, 3))).softmax(-1)
 
 
+class Written(nn.Module):
+    """A tensor built by slice assignment into ``new_empty`` (DeepSeek-V3's attention builds its
+    keys so): functionalized, a ``copy`` and ``slice_scatter``s, which passes.decompose rewrites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 6), nn.Linear(8, 2)
+
+    def forward(self, x):
+        out = x.new_empty(*x.shape[:-1], 8)
+        out[..., :6] = self.a(x)
+        out[..., 6:] = self.b(x[:, :1])  # broadcast over the rows
+        return out * 2
+
+
 CASES = {
     "mlp": lambda: (MLP(), (torch.randn(4, 16),)),
     "block": lambda: (Block(), (torch.randn(2, 8, 32),)),
@@ -47,6 +62,7 @@ CASES = {
     "convnet": lambda: (ConvNet(), (torch.randn(2, 3, 16, 16),)),
     "normed": lambda: (Normed(), (torch.randn(2, 3, 10, 10),)),
     "inplace": lambda: (InPlace(), (torch.randn(4, 8),)),
+    "written": lambda: (Written(), (torch.randn(4, 3, 8),)),
 }
 
 
@@ -81,3 +97,21 @@ def test_repeated_layers_trace_once(monkeypatch):
     linear = [t for t in traced if t == torch.ops.aten.linear.default]
     assert 0 < len(linear) <= 5  # qkv, proj, fc, out (one per shape) and the head, not 3 × 4 + 1
     assert operator.getitem not in traced
+
+
+def test_slice_assignments_become_cat_and_clone_with_the_same_values_and_grads():
+    """No ``copy`` nor ``slice_scatter`` left (autograd has no derivative for ``aten::copy``, and
+    ``slice_scatter``'s backward mixes a plain zeros tensor into DTensor gradients); values and
+    gradients as the model's own."""
+    model, (x,) = CASES["written"]()
+    got = decompose(torch.export.export(model, (x,), strict=False))
+    targets = {n.target for n in got.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.cat.default in targets
+    assert not targets & {torch.ops.aten.copy.default, torch.ops.aten.slice_scatter.default}, targets
+    module = got.module()
+    inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = module(inputs[0]), model(inputs[1])
+    torch.testing.assert_close(out, want)
+    (out * want.detach()).sum().backward()
+    (want * want.detach()).sum().backward()
+    torch.testing.assert_close(inputs[0].grad, inputs[1].grad)

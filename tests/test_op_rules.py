@@ -75,3 +75,44 @@ def test_registered_rules_compute_what_one_process_does():
             error, placement = found[f"{name} {','.join(rule)}"]
             assert error < 1e-12, (name, rule, error)
             assert placement == output, (name, rule, placement)
+
+
+class _Router(torch.nn.Module):
+    """DeepSeek-V3's router reads its top-k scores back with ``gather``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        scores = self.gate(x).sigmoid()
+        _, ids = scores.topk(2, dim=-1)
+        return scores.gather(1, ids) * 2
+
+
+class _Pooled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 1)
+
+    def forward(self, x):
+        return torch.nn.functional.avg_pool2d(self.conv(x), 2)
+
+
+def test_an_op_whose_backward_is_composite_keeps_its_rules_and_one_with_a_kernel_does_not():
+    """``gather``'s backward (``gather_backward``) decomposes into zeros + scatter_add, which
+    DTensor has rules for: gather splits by rows (before, it ran replicated and kept a MoE
+    layer's rows replicated, so DeepSeek-V3 got no expert dispatch). ``avg_pool2d_backward``
+    is a kernel DTensor has no rule for: it still runs replicated."""
+    from autopar.passes.capture import capture
+    from autopar.passes.strategies import one_dim_strategies
+    from autopar.placements import Shard as S
+
+    def rules(model, x, target):
+        graph = capture(model, (x,)).graph
+        node = next(n for n in graph.nodes if n.target == target)
+        return one_dim_strategies(node, 2)
+
+    gathered = rules(_Router(), torch.randn(8, 4), torch.ops.aten.gather.default)
+    assert gathered is not None and ((S(0),), (S(0), S(0))) in gathered, gathered
+    assert rules(_Pooled(), torch.randn(2, 3, 8, 8), torch.ops.aten.avg_pool2d.default) is None

@@ -21,8 +21,8 @@ def _needs(package: str) -> None:
 
 # MoE families whose grouped experts plan as Qwen3-MoE's and OLMoE's do (25 entries × 2
 # clusters is most of this file's CI time): planned here at 2 ranks (GPT-OSS, its expert
-# biases) or only in benchmarks/model_zoo.py (Qwen2-MoE, GraniteMoE; DeepSeek-V3, which plans but
-# does not lower yet: its attention writes into an empty tensor, docs/benchmarks.md)
+# biases; DeepSeek-V3, its latent attention written by slices, its router's gather) or only in
+# benchmarks/model_zoo.py (Qwen2-MoE, GraniteMoE)
 PLANNED_IN_BENCHMARK_ONLY = ("qwen2_moe", "granite_moe", "gpt_oss", "deepseek_v3")
 
 
@@ -40,7 +40,7 @@ def test_plans_on_one_and_two_hosts(name):
 
 # one training step per case at each world size; the rest of zoo.MODELS run in benchmarks/model_zoo.py
 EQUIVALENCE = {("transformers", 2): ("gpt2", "llama", "bert", "vit", "mixtral", "gemma2", "phi3", "qwen3_moe",
-                                     "gpt_oss"),
+                                     "gpt_oss", "deepseek_v3"),
                # at 4 ranks: Llama (GPT-2's layout runs at 4 in test_equivalence's own GPT; CI time) and
                # Qwen3-MoE (its experts split inside there: autopar::expert_mm's DTensor rules);
                # conv nets: timm's ResNet and ConvNeXt, below (transformers' are planned above and

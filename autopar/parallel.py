@@ -23,29 +23,13 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.errors import AutoparError, ErrorKind
+from autopar.passes.row_order_checkpoint import mark_state_dict, watch_optimizers
 from autopar.passes.runtime import ROW_ORDER_ATTR, to_full
 from autopar.passes.split_loss import (
     averages_over_rows, batch_split, local_loss, local_outputs, local_rows, split_tensor_dims)
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
-
-
-class _ReorderedExperts:
-    """Says, once, when a checkpoint is taken of stacked expert weights stored in the plan's
-    balanced order (passes.expert_order): their rows, and their optimizer states, are saved in
-    that order, which only a plan with the same order reads back right."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.said = False
-
-    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        if not self.said:
-            self.said = True
-            log.warning("the state dict holds %s with their experts' rows in this plan's balanced order, not the "
-                        "model's: a checkpoint of it loads right only under a plan with the same expert order "
-                        "(pmodel.full_state_dict() gives the model's order)", ", ".join(self.names))
 
 
 class ParallelModule(nn.Module):
@@ -70,9 +54,10 @@ class ParallelModule(nn.Module):
         self.relowering = relowering
         # watches the links between the plan's device groups after each step (autopar.watch_links)
         self.watcher = None
-        reordered = sorted(name for name, p in self.named_parameters() if hasattr(p, ROW_ORDER_ATTR))
-        if reordered:
-            self.register_state_dict_post_hook(_ReorderedExperts(reordered))
+        # stacked experts stored in a balanced order: checkpointed in the model's order
+        if any(hasattr(p, ROW_ORDER_ATTR) for p in self.parameters()):
+            self.register_state_dict_post_hook(mark_state_dict)
+            watch_optimizers()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this rank holds, whole: sharded ones gathered, an expert

@@ -63,10 +63,11 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "attention_runtime", "expert_runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
-                                            "prefetch", "link_probe", "place_state")} | {"autopar.parallel"}
+                                            "prefetch", "link_probe", "place_state", "row_order_checkpoint")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "cli_commands", "model_files",
                                                 "report", "plan_diff", "html_report", "profile", "timeline", "trace")}
-RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.expert_runtime", "autopar.passes.reshard", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
+RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.expert_runtime", "autopar.passes.reshard",
+           "autopar.passes.row_order_checkpoint", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 
 MAY_IMPORT = {
     "types": {"types"},

@@ -1,0 +1,116 @@
+"""Stacked expert weights stored in a balanced order are checkpointed in the model's order.
+
+Expert parallelism in a balanced order (passes.expert_order) stores row ``j`` of a stacked
+``(E, ...)`` expert weight as expert ``order[j]``, so each device holds a block of the balanced
+order. Checkpointed as it is, that DTensor would record its rows in the plan's order, and
+only a plan with the same order could read it back. DCP asks each tensor of a state dict
+where its local data sits in the whole tensor (the ``_Checkpointable`` protocol:
+``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), and DTensor
+forwards those questions to its local tensor when that tensor answers them. So the local
+tensor of such a weight — and of each optimizer state shaped like it — is given answers in
+the model's order: its rows cut into runs of consecutive experts, each run a chunk at its
+rows' offset in the model. The checkpoint then holds the model's order, which any plan, any
+world size or one process reads; nothing is gathered or copied, and loading writes each run
+in place (``__get_tensor_shard__`` returns views).
+
+Parameters are marked by ``ParallelModule``'s state-dict hook; optimizer states by a global
+optimizer step hook (the optimizer is the user's: torch gives no other place to reach it, and
+``get_state_dict`` steps a fresh optimizer once to create its states, which runs the hook).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+# the local block of a DTensor in the whole tensor: the function DCP itself uses for DTensors
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from autopar.passes.runtime import ROW_ORDER_ATTR
+
+_MARK = "_autopar_model_order"  # on a marked local tensor: the order it answers DCP in
+
+
+def model_order_runs(value: DTensor, order: list[int]) -> list[tuple[int, ChunkStorageMetadata]]:
+    """(first local row, chunk in the model's order) for each run of this rank's rows of
+    ``value`` (stored in ``order``) that are consecutive experts in the model."""
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    runs: list[tuple[int, ChunkStorageMetadata]] = []
+    start = 0
+    for row in range(1, sizes[0] + 1):
+        if row < sizes[0] and order[offsets[0] + row] == order[offsets[0] + row - 1] + 1:
+            continue
+        chunk_offsets = torch.Size((order[offsets[0] + start], *offsets[1:]))
+        runs.append((start, ChunkStorageMetadata(offsets=chunk_offsets, sizes=torch.Size((row - start, *sizes[1:])))))
+        start = row
+    return runs
+
+
+def mark_model_order(value: DTensor, order: list[int]) -> None:
+    """Make DCP save and load ``value`` (stored in ``order``) in the model's order; idempotent."""
+    with torch.no_grad():
+        local = value.to_local()  # the DTensor's own local tensor (no autograd wrapper)
+    if getattr(local, _MARK, None) == order or not value.shape or value.shape[0] != len(order):
+        return
+    runs = model_order_runs(value, order)
+    by_offset = {chunk.offsets: (start, chunk.sizes[0]) for start, chunk in runs}
+
+    def create_write_items(fqn: str, _obj) -> list[WriteItem]:
+        properties = TensorProperties.create_from_tensor(local)
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=value.size()))
+                for _start, chunk in runs]
+
+    def create_chunk_list() -> list[ChunkStorageMetadata]:
+        return [chunk for _start, chunk in runs]
+
+    def get_tensor_shard(index: MetadataIndex) -> torch.Tensor:
+        if index.offset not in by_offset:
+            raise ValueError(f"{index.fqn}: no rows of this rank start at {tuple(index.offset)} in the model's order")
+        start, length = by_offset[index.offset]
+        return local.narrow(0, start, length)
+
+    local.__create_write_items__ = create_write_items
+    local.__create_chunk_list__ = create_chunk_list
+    local.__get_tensor_shard__ = get_tensor_shard
+    setattr(local, _MARK, list(order))
+
+
+def mark_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, _local_metadata) -> None:
+    """``module``'s state-dict post-hook: its reordered parameters' entries in the model's order."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        order = getattr(param, ROW_ORDER_ATTR, None)
+        value = state_dict.get(prefix + name)
+        if order is not None and isinstance(value, DTensor):
+            mark_model_order(value, order)
+
+
+_reordered_of: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
+_hook = None
+
+
+def watch_optimizers() -> None:
+    """Register (once per process) the optimizer step hook that marks the optimizer states of
+    reordered parameters (:func:`_mark_optimizer_states`)."""
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_mark_optimizer_states)
+
+
+def _mark_optimizer_states(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    """After a step: every DTensor state shaped like a reordered parameter, in its order. The
+    reordered parameters of each optimizer are found once (again when its groups change)."""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    known = _reordered_of.get(optimizer)
+    if known is None or known[0] != count:
+        known = (count, [p for group in optimizer.param_groups for p in group["params"]
+                         if getattr(p, ROW_ORDER_ATTR, None) is not None])
+        _reordered_of[optimizer] = known
+    for param in known[1]:
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, DTensor) and value.shape == param.shape:
+                mark_model_order(value, getattr(param, ROW_ORDER_ATTR))

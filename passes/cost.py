@@ -85,6 +85,17 @@ def is_view_op(node: torch.fx.Node) -> bool:
                 and not schema.returns[0].alias_info.is_write)
 
 
+def view_chain(node: torch.fx.Node, through_getitem: bool = True) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """The tensor a chain of views reads (a weight's placeholder behind its transposes), and
+    the views from ``node`` back to it (``node`` first; empty when ``node`` is no view).
+    ``through_getitem`` False stops at a ``getitem`` (one output of a multi-output op)."""
+    views = []
+    while node.op == "call_function" and is_view_op(node) and (through_getitem or node.target is not operator.getitem):
+        views.append(node)
+        node = node.args[0]
+    return node, views
+
+
 FUSED_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 _ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _ATTENTION_DEFAULTS = (None, None, None, None, 0.0, False, None, False)

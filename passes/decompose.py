@@ -27,12 +27,12 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.passes.graph_edit import inherited_meta
+
 log = logging.getLogger(__name__)
 
 KEPT_FUSED = {torch.ops.aten.scaled_dot_product_attention.default}  # ops that stay as the model wrote them
 
-# node.meta entries a decomposed node inherits from the node it replaces
-_INHERITED_META = ("nn_module_stack", "stack_trace", "torch_fn", "source_fn_stack", "from_node")
 
 
 class _NeedsFullRetrace(Exception):
@@ -180,7 +180,7 @@ def _splice(graph: torch.fx.Graph, node: torch.fx.Node, cache: dict, table, fake
                 result = torch.fx.node.map_arg(inner.args[0], env.__getitem__)
             else:
                 new = graph.node_copy(inner, env.__getitem__)
-                new.meta.update({k: node.meta[k] for k in _INHERITED_META if k in node.meta})
+                new.meta.update(inherited_meta(node))
                 env[inner] = new
     if isinstance(result, (list, tuple)):
         for user in list(node.users):

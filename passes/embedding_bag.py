@@ -30,6 +30,7 @@ import torch
 from torch._guards import detect_fake_mode
 
 from autopar.passes.bag_pooling import POOL_ROWS
+from autopar.passes.graph_edit import call_with_value
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +103,8 @@ def _fixed_bag_size(node: torch.fx.Node) -> int | None:
 
 def _adder(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode):
     """Inserts ``target(*args, **kwargs)`` with its fake value and ``node``'s source metadata."""
-    inherited = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in node.meta}
-
     def add(target, *args, **kwargs):
-        new = graph.call_function(target, args, kwargs)
-        with fake_mode:
-            new.meta["val"] = target(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]),
-                                     **torch.fx.node.map_arg(kwargs, lambda a: a.meta["val"]))
-        new.meta.update(inherited)
-        return new
+        return call_with_value(graph, node, target, args, kwargs, fake_mode)
     return add
 
 

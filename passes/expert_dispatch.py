@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,7 @@ import torch
 from autopar import placements as pl
 from autopar.comm import all_to_all_s
 from autopar.mesh import MeshSpec
-from autopar.passes.cost import COST_KEY, is_view_op, tensor_bytes
+from autopar.passes.cost import COST_KEY, tensor_bytes, view_chain
 from autopar.passes.expert_mm import EXPERT_MM
 from autopar.passes.row_ops import row_wise, rows_of
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy
@@ -128,9 +127,7 @@ def _gather_ids(node: torch.fx.Node, expert_weights: dict) -> torch.fx.Node | No
 
 def _stored(node: torch.fx.Node) -> torch.fx.Node:
     """The tensor a chain of views reads (a weight's placeholder behind its transposes)."""
-    while node.op == "call_function" and node.target is not operator.getitem and is_view_op(node):
-        node = node.args[0]
-    return node
+    return view_chain(node, through_getitem=False)[0]
 
 
 def _dispatch(graph, ids: torch.fx.Node, gathers: list[torch.fx.Node], expert_weights: dict, values, memo

@@ -30,6 +30,7 @@ import operator
 import torch
 
 from autopar.passes.expert_mm import EXPERT_MM
+from autopar.passes.graph_edit import call_with_value
 from autopar.passes.row_ops import row_wise
 
 log = logging.getLogger(__name__)
@@ -209,11 +210,8 @@ def _repeated_rows(graph: torch.fx.Graph, gather: torch.fx.Node, source: torch.f
     val = source.meta["val"]
     steps = [(aten.unsqueeze.default, (1,)), (aten.expand.default, ([val.shape[0], repeat, *val.shape[1:]],)),
              (aten.clone.default, ()), (aten.view.default, ([val.shape[0] * repeat, *val.shape[1:]],))]
-    node, value = source, val
+    node = source
     with graph.inserting_before(gather):
         for op, args in steps:
-            value = op(value, *args)
-            node = graph.call_function(op, (node, *args))
-            node.meta = {k: v for k, v in gather.meta.items() if k != "val"}
-            node.meta["val"] = value
+            node = call_with_value(graph, gather, op, (node, *args))
     return node

@@ -42,7 +42,7 @@ from autopar.passes import expert_runtime, runtime
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
 from autopar.passes.attention_runtime import local_attention
 from autopar.passes.context_parallel import BALANCED_CAUSAL
-from autopar.passes.cost import FUSED_ATTENTION, is_view_op
+from autopar.passes.cost import FUSED_ATTENTION, is_view_op, view_chain
 from autopar.passes.dtensor_ops import relabel_experts
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
@@ -238,11 +238,7 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
     ``MixedPrecisionPolicy``). Inserted before the reader; passes.prefetch moves the gather a
     layer ahead."""
     gathers, mesh_node = attrs
-    views = []
-    root = weight
-    while root.op == "call_function" and root.target is not runtime.compute_copy and is_view_op(root):
-        views.append(root)
-        root = root.args[0]
+    root, views = view_chain(weight)  # stops at a compute copy (no view)
     stored = produced.get(root.name)
     if root.op == "call_function" and root.target is runtime.compute_copy:
         root = root.args[0]

@@ -38,12 +38,12 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import placements as pl
+from autopar.passes.graph_edit import inherited_meta
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 STACKED_KEY = "autopar.stacked_experts"
-_INHERITED_META = ("nn_module_stack", "stack_trace")
 
 
 def stack_expert_lists(program: torch.export.ExportedProgram) -> int:
@@ -192,7 +192,7 @@ def _batch(graph: torch.fx.Graph, stack: torch.fx.Node, copies: list[_Copy], fak
         batched = make_fx(torch.vmap(module), decomposition_table=core_aten_decompositions())(
             *shared_vals, *stacked_vals)
 
-    inherited = {k: stack.meta[k] for k in _INHERITED_META if k in stack.meta}
+    inherited = inherited_meta(stack)
     prefixes = tuple(_prefix(c, parameter_of) for c in copies)
     with graph.inserting_before(stack):
         inputs = list(shared)

@@ -37,18 +37,31 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(pmodel, optimizer, steps: range, batch=_batch) -> None:
     for step in steps:
-        x, target = batch(step)
-        pmodel.step(x, target=target)
+        *inputs, target = batch(step)
+        pmodel.step(*inputs, target=target)
         optimizer.step()
         optimizer.zero_grad()
+
+
+def _save(pmodel, optimizer, folder: str) -> None:
+    """The FSDP2 way: torch's get_state_dict, then dcp.save on every rank."""
+    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+
+
+def _resume(pmodel, optimizer, folder: str) -> None:
+    """get_state_dict for the state's shapes and placements, dcp.load into it, set_state_dict."""
+    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(pmodel, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 def _save_after_three_steps(folder: str, cluster: str, options: dict) -> str:
     pmodel = autopar.parallelize(_model(), (_batch(0)[0],), cluster=cluster, loss_fn=F.mse_loss, **options)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
     _train(pmodel, optimizer, range(STEPS))
-    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    _save(pmodel, optimizer, folder)
     return _kind(pmodel.plan)
 
 
@@ -65,10 +78,7 @@ def _load_and_train_three_more(folder: str, cluster: str, options: dict) -> dict
     pmodel = autopar.parallelize(MLP(16, 64, 8, layers=3), (_batch(0)[0],), cluster=cluster, loss_fn=F.mse_loss,
                                  **options)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR)
-    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(pmodel, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _resume(pmodel, optimizer, folder)
     _train(pmodel, optimizer, range(STEPS, 2 * STEPS))
     return {"kind": _kind(pmodel.plan), "params": {name: full_value(p).tolist() for name, p in pmodel.named_parameters()}}
 
@@ -108,11 +118,11 @@ def test_a_checkpoint_saved_under_one_plan_loads_under_another_on_more_ranks(tmp
         assert error < 1e-5, (trip, name, error)
 
 
-def _moe_model(seed: int = 0):
+def _moe_model(seed: int = 0, module_list: bool = False):
     """float64: the key biases' gradients are 0 up to round-off, which AdamW (eps 1e-8) would
     turn into visible steps in float32 — a difference of the runs, not of the checkpoint."""
     torch.manual_seed(seed)
-    return models.MoEGPT(d=32, hidden=256, experts=8, skew=1.0).double()
+    return models.MoEGPT(d=32, hidden=256, experts=8, skew=1.0, module_list=module_list).double()
 
 
 def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,28 +145,27 @@ def _orders(plan) -> dict[str, list[int]]:
     return {name: layer["order"] for name, layer in plan.experts.items() if layer.get("order_applied")}
 
 
-def _save_moe_after_three_steps(folder: str) -> dict:
-    pmodel, optimizer = _moe_parallel("2xcpu", _moe_model())
+def _expert_placements(plan) -> set[str]:
+    return {p.placement for name, p in plan.parameters.items() if ".moe." in name and "gate" not in name}
+
+
+def _save_moe_after_three_steps(folder: str, module_list: bool) -> dict:
+    pmodel, optimizer = _moe_parallel("2xcpu", _moe_model(module_list=module_list))
     _train(pmodel, optimizer, range(STEPS), _moe_batch)
-    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-    return _orders(pmodel.plan)
+    _save(pmodel, optimizer, folder)
+    return {"orders": _orders(pmodel.plan), "placements": _expert_placements(pmodel.plan)}
 
 
-def _load_moe_and_train_three_more(folder: str) -> dict:
-    torch.manual_seed(1)  # other initial weights: the checkpoint must replace them all
-    pmodel, optimizer = _moe_parallel("4xcpu", _moe_model(seed=1))
-    model_state, optimizer_state = get_state_dict(pmodel, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=folder)
-    set_state_dict(pmodel, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+def _load_moe_and_train_three_more(folder: str, module_list: bool) -> dict:
+    pmodel, optimizer = _moe_parallel("4xcpu", _moe_model(seed=1, module_list=module_list))
+    _resume(pmodel, optimizer, folder)
     _train(pmodel, optimizer, range(STEPS, 2 * STEPS), _moe_batch)
     return {"orders": _orders(pmodel.plan),
             "params": {name: full_value(p).tolist() for name, p in pmodel.named_parameters()}}
 
 
-def _moe_single_process(steps: int) -> tuple[dict[str, torch.Tensor], dict]:
-    model = _moe_model()
+def _moe_single_process(steps: int, module_list: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    model = _moe_model(module_list=module_list)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(steps):
         x, target = _moe_batch(step)
@@ -170,25 +179,91 @@ def _moe_single_process(steps: int) -> tuple[dict[str, torch.Tensor], dict]:
 
 @pytest.mark.distributed
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the single-process read of the folder
-def test_stacked_experts_in_a_balanced_order_are_saved_in_the_model_s_order(tmp_path):
-    """Expert parallelism with the experts in a load-balancing order (rows stored in that
-    order on the devices): the checkpoint holds the model's order — read in one process it
+@pytest.mark.parametrize("module_list", [False, True], ids=["stacked", "module_list"])
+def test_experts_in_a_balanced_order_are_saved_in_the_model_s_order(tmp_path, module_list):
+    """Expert parallelism with the experts in a load-balancing order — stacked ``(E, ...)``
+    weights with their rows stored in that order, or a ModuleList's experts each whole on its
+    slot's owner (placement ``O``): the checkpoint holds the model's order — read in one process it
     equals the single-process model's weights and AdamW moments after 3 steps — and, loaded on
     4 ranks under another plan, 3 more steps equal 6 single-process steps."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     folder = str(tmp_path / "step3")
-    orders = run_world(2, _save_moe_after_three_steps, folder)
+    saved_plan = run_world(2, _save_moe_after_three_steps, folder, module_list)
+    orders = saved_plan["orders"]
     assert orders and any(order != sorted(order) for order in orders.values()), orders
+    assert ("O" in saved_plan["placements"]) == module_list, saved_plan
     dcp_to_torch_save(folder, str(tmp_path / "step3.pt"))
     saved = torch.load(tmp_path / "step3.pt", weights_only=True)
-    weights, moments = _moe_single_process(STEPS)
+    weights, moments = _moe_single_process(STEPS, module_list)
     for name, weight in weights.items():  # the reordered stacked weights among them
         assert (saved["model"][name] - weight).abs().max().item() < 1e-10, name
         assert (saved["optimizer"]["state"][name]["exp_avg"] - moments[name]).abs().max().item() < 1e-10, name
-    loaded = run_world(4, _load_moe_and_train_three_more, folder)
+    loaded = run_world(4, _load_moe_and_train_three_more, folder, module_list)
     assert loaded["orders"] != orders, loaded["orders"]  # another plan: its own order, or none
-    reference, _ = _moe_single_process(2 * STEPS)
+    reference, _ = _moe_single_process(2 * STEPS, module_list)
+    for name, values in loaded["params"].items():
+        error = (torch.tensor(values, dtype=torch.float64) - reference[name]).abs().max().item()
+        assert error < 1e-10, (name, error)
+
+
+BIG_TABLES = {"tables": (50000, 4096, 64, 16), "dim": 16, "hidden": 256}  # tests/test_sparse.py's table-wise DLRM
+
+
+def _dlrm(seed: int = 0):
+    torch.manual_seed(seed)
+    return models.DLRM(**BIG_TABLES).double()
+
+
+def _dlrm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dense, ids = models.dlrm_inputs(_dlrm(), batch=512, seed=step + 1)
+    target = torch.randn(512, 1, generator=torch.Generator().manual_seed(100 + step), dtype=torch.float64)
+    return dense.double(), ids, target
+
+
+def _tables(plan) -> dict[str, str]:
+    return {name: p.exchange for name, p in plan.parameters.items() if name.startswith("embeddings.")}
+
+
+def _dlrm_parallel(cluster: str, model, **options):
+    pmodel = autopar.parallelize(model, _dlrm_batch(0)[:2], cluster=cluster, loss_fn=F.mse_loss, pipeline=False,
+                                 replicas=False, **options)
+    return pmodel, torch.optim.AdamW(pmodel.parameters(), lr=LR)
+
+
+def _save_dlrm_after_three_steps(folder: str) -> dict[str, str]:
+    pmodel, optimizer = _dlrm_parallel("2xcpu", _dlrm())
+    _train(pmodel, optimizer, range(STEPS), _dlrm_batch)
+    _save(pmodel, optimizer, folder)
+    return _tables(pmodel.plan)
+
+
+def _load_dlrm_and_train_three_more(folder: str) -> dict:
+    pmodel, optimizer = _dlrm_parallel("4xcpu", _dlrm(seed=1), mesh_shape=(2, 2))
+    _resume(pmodel, optimizer, folder)
+    _train(pmodel, optimizer, range(STEPS, 2 * STEPS), _dlrm_batch)
+    return {"tables": _tables(pmodel.plan),
+            "params": {name: full_value(p).tolist() for name, p in pmodel.named_parameters()}}
+
+
+@pytest.mark.distributed
+def test_tables_each_on_one_device_load_as_tables_split_another_way_on_more_ranks(tmp_path):
+    """DLRM's big tables table-wise on 2 ranks (each whole on its owner, placement ``O``),
+    saved after 3 steps, loaded on 4 ranks where they are replicated with their touched rows
+    exchanged: 3 more steps equal 6 single-process steps (float64)."""
+    folder = str(tmp_path / "step3")
+    saved = run_world(2, _save_dlrm_after_three_steps, folder)
+    assert [saved[f"embeddings.{t}.weight"] for t in (0, 1)] == ["table_wise"] * 2, saved
+    loaded = run_world(4, _load_dlrm_and_train_three_more, folder)
+    assert [loaded["tables"][f"embeddings.{t}.weight"] for t in (0, 1)] == ["sparse_allgather"] * 2, loaded["tables"]
+    model = _dlrm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(2 * STEPS):
+        dense, ids, target = _dlrm_batch(step)
+        F.mse_loss(model(dense, ids), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    reference = dict(model.named_parameters())
     for name, values in loaded["params"].items():
         error = (torch.tensor(values, dtype=torch.float64) - reference[name]).abs().max().item()
         assert error < 1e-10, (name, error)

@@ -1,6 +1,6 @@
 """The bad-input suite: every case gets a typed AutoparError whose message names the problem
 (and, where one exists, a fix), never a raw traceback. One table, so gaps are easy to see;
-CLI usage errors (exit code 2) are in test_cli.py, cluster-file line numbers in
+CLI usage errors (exit code 2) are in test_cli_errors.py, cluster-file line numbers in
 test_cluster_files.py."""
 
 from __future__ import annotations

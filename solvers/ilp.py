@@ -8,9 +8,9 @@ largest single term becomes 1e8 units). CP-SAT runs with one worker and
 worker), without presolve probing or symmetry detection (slow on these problems, no help).
 
 Before CP-SAT, the LP relaxation (solvers/relaxation.py, the same rows over [0, 1]) is
-solved; when it is integral its answer is optimal and CP-SAT is skipped. Otherwise its
-leaning assignment is CP-SAT's hint, unless the caller gave one (e.g. the best baseline) and
-the leaning is not within 0.1 % of the relaxation's bound.
+solved; when it is integral its answer is optimal and CP-SAT is skipped. Otherwise CP-SAT is
+hinted with the better of its leaning assignment and the caller's hint (the best baseline, a
+warm start), given whole: every x, y and z.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from autopar.solvers.relaxation import LpRelaxation
 log = logging.getLogger(__name__)
 
 _SCALE_TARGET = 1e8  # the largest single cost term becomes this many integer units
-NEAR_OPTIMAL = 1e-3  # a leaning this close to the LP bound is CP-SAT's hint (_better_start)
 
 
 def _solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel):
@@ -104,11 +103,7 @@ class CpSatSolver:
 
     def _cp_sat(self, problem: ShardingProblem, hint: list[int] | None, start: float) -> Solution:
         formulation = self._formulation_of(problem)
-        model, x, scale = _cp_sat_model(formulation, problem.fixed, problem.excluded)
-        if hint is not None:
-            for i, s in enumerate(hint):
-                for t, var in enumerate(x[i]):
-                    model.add_hint(var, t == s)
+        model, x, scale = _cp_sat_model(formulation, problem.fixed, problem.excluded, hint)
 
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = self.time_limit_s
@@ -135,19 +130,18 @@ class CpSatSolver:
 
 
 def _better_start(problem: ShardingProblem, hint: list[int] | None, relaxed) -> list[int] | None:
-    """CP-SAT's hint: the LP relaxation's leaning assignment when the caller gave none, or
-    when it is feasible and within ``NEAR_OPTIMAL`` of the relaxation's bound — then CP-SAT
-    has only to prove it (Llama-3-8B shape, 8×8 H100: 2.3e-4 above the bound, 2.2 s → 1.0 s,
-    against the best baseline's 11 % above). Otherwise the caller's hint (the best baseline,
-    a warm start's placements) stays: with a wide gap the proof dominates, and a leaning
-    hint made the GPT of benchmarks/adapt.py slower to solve (1.9 s → 3.3 s)."""
+    """CP-SAT's hint: the better (lower objective) of the caller's (the best baseline, a warm
+    start's placements) and the LP relaxation's leaning assignment, when that is feasible.
+    Given whole (every x, y and z: _cp_sat_model), a near-optimal hint leaves CP-SAT little
+    but the proof: on benchmarks/adapt.py's 10 Gbit/s problem the leaning is 4e-5 above the
+    optimum, the warm start 10 %; hinted with the leaning the re-plan solves in 0.9 s, with
+    the warm start 1.1–14 s (and 2.7–3.8 s with either given as x alone, as before)."""
     leaning = relaxed.leaning
     if hint is None:
         return leaning
     if leaning is None or not problem.feasible(leaning):
         return hint
-    near = problem.evaluate(leaning) <= relaxed.bound_s * (1 + NEAR_OPTIMAL)
-    return leaning if near and problem.evaluate(leaning) < problem.evaluate(hint) else hint
+    return leaning if problem.evaluate(leaning) < problem.evaluate(hint) else hint
 
 
 def _structure(problem: ShardingProblem) -> tuple:
@@ -155,8 +149,10 @@ def _structure(problem: ShardingProblem) -> tuple:
     return id(problem.edges), id(problem.node_costs), id(problem.node_memory), problem.memory_limit_bytes
 
 
-def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: frozenset[tuple[int, int]]):
-    """The formulation as a CP-SAT model: (model, x[i][s] as BoolVars, objective scale)."""
+def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: frozenset[tuple[int, int]],
+                  hint: list[int] | None = None):
+    """The formulation as a CP-SAT model: (model, x[i][s] as BoolVars, objective scale);
+    ``hint`` (a strategy per node) becomes a complete hint: every x, y and z."""
     model = cp_model.CpModel()
     binary = formulation.num_binary
     costs = formulation.objective_coeffs
@@ -184,4 +180,10 @@ def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: fro
         constraint.with_name(row.name)
     model.minimize(cp_model.LinearExpr.weighted_sum([variables[v] for v in formulation.objective_vars],
                                                     [integral(v, c) for v, c in zip(formulation.objective_vars, costs)]))
+    if hint is not None:
+        values = [round(v) for v in formulation.values(hint)]
+        for _g, _phase, z, *sides in formulation.overlap_groups:  # in units, as its rows round them
+            values[z] = max(sum(integral(var, c) for var, c in zip(*side) if values[var]) for side in sides)
+        for var, value in zip(variables, values):
+            model.add_hint(var, value)
     return model, x, scale

@@ -13,13 +13,17 @@ rows' offset in the model. The checkpoint then holds the model's order, which an
 world size or one process reads; nothing is gathered or copied, and loading writes each run
 in place (``__get_tensor_shard__`` returns views).
 
-Parameters are marked by ``ParallelModule``'s state-dict hook; optimizer states by a global
-optimizer step hook (the optimizer is the user's: torch gives no other place to reach it, and
-``get_state_dict`` steps a fresh optimizer once to create its states, which runs the hook).
+Tensors made anew from these (``dcp.async_save``'s staging copies, ``get_state_dict``'s
+``cpu_offload`` and ``full_state_dict`` options) carry no answers and record the plan's order
+(docs/training.md says so). Parameters are marked by ``ParallelModule``'s state-dict hook;
+optimizer states by a global optimizer step hook (the optimizer is the user's: torch gives no
+other place to reach it, and ``get_state_dict`` steps a fresh optimizer once to create its
+states, which runs the hook).
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -33,6 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from autopar.passes.runtime import ROW_ORDER_ATTR
 
 _MARK = "_autopar_model_order"  # on a marked local tensor: the order it answers DCP in
+_RUNS = "_autopar_model_runs"  # and its runs (first local row, chunk in the model's order), whole size
 
 
 def model_order_runs(value: DTensor, order: list[int]) -> list[tuple[int, ChunkStorageMetadata]]:
@@ -51,33 +56,36 @@ def model_order_runs(value: DTensor, order: list[int]) -> list[tuple[int, ChunkS
 
 
 def mark_model_order(value: DTensor, order: list[int]) -> None:
-    """Make DCP save and load ``value`` (stored in ``order``) in the model's order; idempotent."""
+    """Make DCP save and load ``value`` (stored in ``order``) in the model's order; idempotent.
+    The answers are methods bound to the local tensor, so a deep copy of it answers for itself."""
     with torch.no_grad():
         local = value.to_local()  # the DTensor's own local tensor (no autograd wrapper)
     if getattr(local, _MARK, None) == order or not value.shape or value.shape[0] != len(order):
         return
-    runs = model_order_runs(value, order)
-    by_offset = {chunk.offsets: (start, chunk.sizes[0]) for start, chunk in runs}
-
-    def create_write_items(fqn: str, _obj) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(local)
-        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=value.size()))
-                for _start, chunk in runs]
-
-    def create_chunk_list() -> list[ChunkStorageMetadata]:
-        return [chunk for _start, chunk in runs]
-
-    def get_tensor_shard(index: MetadataIndex) -> torch.Tensor:
-        if index.offset not in by_offset:
-            raise ValueError(f"{index.fqn}: no rows of this rank start at {tuple(index.offset)} in the model's order")
-        start, length = by_offset[index.offset]
-        return local.narrow(0, start, length)
-
-    local.__create_write_items__ = create_write_items
-    local.__create_chunk_list__ = create_chunk_list
-    local.__get_tensor_shard__ = get_tensor_shard
+    setattr(local, _RUNS, (model_order_runs(value, order), value.size()))
+    for name, method in (("__create_write_items__", _create_write_items), ("__create_chunk_list__", _create_chunk_list),
+                         ("__get_tensor_shard__", _get_tensor_shard)):
+        setattr(local, name, types.MethodType(method, local))
     setattr(local, _MARK, list(order))
+
+
+def _create_write_items(local: torch.Tensor, fqn: str, _obj) -> list[WriteItem]:
+    runs, size = getattr(local, _RUNS)
+    properties = TensorProperties.create_from_tensor(local)
+    return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=size))
+            for _start, chunk in runs]
+
+
+def _create_chunk_list(local: torch.Tensor) -> list[ChunkStorageMetadata]:
+    return [chunk for _start, chunk in getattr(local, _RUNS)[0]]
+
+
+def _get_tensor_shard(local: torch.Tensor, index: MetadataIndex) -> torch.Tensor:
+    for start, chunk in getattr(local, _RUNS)[0]:
+        if chunk.offsets == index.offset:
+            return local.narrow(0, start, chunk.sizes[0])
+    raise ValueError(f"{index.fqn}: no rows of this rank start at {tuple(index.offset)} in the model's order")
 
 
 def mark_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, _local_metadata) -> None:

@@ -57,7 +57,8 @@ def model_order_runs(value: DTensor, order: list[int]) -> list[tuple[int, ChunkS
 
 def mark_model_order(value: DTensor, order: list[int]) -> None:
     """Make DCP save and load ``value`` (stored in ``order``) in the model's order; idempotent.
-    The answers are methods bound to the local tensor, so a deep copy of it answers for itself."""
+    The answers are methods bound to the local tensor rather than closures, so a deep copy (a
+    snapshot) saves the values it was copied with, not the live tensor's later ones."""
     with torch.no_grad():
         local = value.to_local()  # the DTensor's own local tensor (no autograd wrapper)
     if getattr(local, _MARK, None) == order or not value.shape or value.shape[0] != len(order):

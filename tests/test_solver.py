@@ -129,6 +129,31 @@ def test_both_backends_get_the_same_named_rows():
         assert len(model.proto.variables) == lp.solver.NumVariables() == formulation.num_variables
 
 
+@pytest.mark.parametrize("seed", range(60))
+def test_a_choice_gives_a_whole_assignment_that_meets_every_row_and_costs_its_objective(seed):
+    """Formulation.values: the hint CP-SAT is given (every x, y and z, not the x alone) meets
+    every row but memory's for any choice (memory's too when the choice fits), and its
+    objective is the choice's step time; CP-SAT receives a hint for every variable."""
+    problem = random_problem(random.Random(seed))
+    formulation = Formulation(problem)
+    rng = random.Random(seed + 1000)
+    for _ in range(5):
+        choice = [rng.randrange(len(c)) for c in problem.node_costs]
+        values = formulation.values(choice)
+        allowed = all(e.cost[e.src_class[choice[e.src]]][e.dst_class[choice[e.dst]]] is not None
+                      for e in problem.edges)
+        for row in formulation.rows({}, frozenset()):
+            if row.name == "memory" and not problem.feasible(choice) or not allowed:
+                continue
+            total = sum(c * values[v] for v, c in zip(row.vars, row.coeffs))
+            assert row.lo - 1e-9 <= total <= row.hi + 1e-9, (row.name, total, row.lo, row.hi)
+        if allowed:
+            objective = sum(c * values[v] for v, c in zip(formulation.objective_vars, formulation.objective_coeffs))
+            assert objective == pytest.approx(problem.evaluate(choice), rel=1e-9, abs=1e-9)
+        model, _, _ = _cp_sat_model(formulation, {}, frozenset(), choice)
+        assert len(model.proto.solution_hint.vars) == formulation.num_variables
+
+
 def test_formulation_docstring_example():
     assert doctest.testmod(autopar.solvers.formulation).failed == 0
 

@@ -99,7 +99,8 @@ class WeightGathers:
         asynchronously (FSDP2's): it runs while the ops before its first reader compute
         (passes.prefetch moves it a layer ahead), and its backward's reduce-scatter runs while
         backward computes the earlier layers (passes.grad_sync waits for it) — unless the
-        plan was made without overlap."""
+        plan was made without overlap. (On CPU meshes the gather itself is waited for where it
+        is issued: runtime._GatherNowReduceLater says why.)"""
         out = runtime.redistribute(source, mesh, spec, dtype, reduce_dtype, async_op=self.overlap)
         local = _buffer(out._local_tensor)
         record = _Gather(source, mesh, spec, dtype)

@@ -19,7 +19,7 @@ process's matmuls ran up to twice as fast as beside the other's):
     small ops on CPU: fitted on the measured training step of a small model
     (:func:`_calibrated_op_overhead`);
   * per collective kind, the fraction of it hidden behind compute issued while it runs
-    (:func:`collective_overlap`).
+    (:func:`autopar.profile_collectives.collective_overlap`).
 
 The file defines the measured device under ``devices:`` (efficiency 1: these are achieved
 rates, not datasheet peaks) and one node of ``world`` such devices.
@@ -31,49 +31,33 @@ import logging
 import multiprocessing
 import os
 import socket
-import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from autopar.devices import OVERLAP_KINDS
 from autopar.files import atomic_write_text
+from autopar.profile_collectives import (GB, collective_overlap, collective_times, fit_collectives,
+                                           link_entry, median_time, overlap_entries, square_side)
 
 log = logging.getLogger(__name__)
-
-GB = 10**9
-
-
-def _median_time(fn, repeats: int, before=None) -> float:
-    """Median seconds of ``fn()``; ``before()`` runs untimed ahead of each call."""
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     """Achieved FLOP/s of an n×n matmul in ``dtype``."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _median_time(lambda: torch.mm(a, b), repeats)
+    return 2 * n**3 / median_time(lambda: torch.mm(a, b), repeats)
 
 
 def memory_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Achieved bytes/s of a copy (it reads and writes ``nbytes`` each)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / median_time(lambda: dst.copy_(src), repeats)
 
 
 def class_efficiencies(flops_per_s: float, bandwidth_Bps: float, repeats: int = 5) -> dict[str, float]:
@@ -95,7 +79,7 @@ def class_efficiencies(flops_per_s: float, bandwidth_Bps: float, repeats: int = 
     found = {"matmul": 1.0}
     for op_class, (kernel, flops, nbytes) in cases.items():
         roofline = max(flops / flops_per_s, nbytes / bandwidth_Bps)
-        found[op_class] = round(min(1.0, roofline / _median_time(kernel, repeats)), 4)
+        found[op_class] = round(min(1.0, roofline / median_time(kernel, repeats)), 4)
     return found
 
 
@@ -119,99 +103,6 @@ class CalibrationNet(torch.nn.Module):
         return x
 
 
-def _collective_times(world: int, sizes: list[int], repeats: int) -> dict[str, list[float]]:
-    """Median seconds of each collective kind per message size (bytes of the whole tensor),
-    issued the way lowered programs issue them: a DTensor redistribute on a 1-D mesh, after a
-    little compute (so the communication thread's wake-up is paid as in a step)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    a = torch.randn(96, 96)
-    kinds = {"all_reduce": (Partial(), Replicate(), False), "all_gather": (Shard(0), Replicate(), True),
-             "reduce_scatter": (Partial(), Shard(0), False), "all_to_all": (Shard(0), Shard(1), True)}
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for nbytes in sizes:
-        side = _side(nbytes, world)
-        for kind, (src, dst, sharded) in kinds.items():
-            local = torch.ones(side // world if sharded else side, side)
-            dist.barrier()
-            times[kind].append(_median_time(
-                lambda: DTensor.from_local(local, mesh, [src], run_check=False).redistribute(mesh, [dst]).to_local(),
-                2 * repeats + 1, before=lambda: a @ a))
-    return times
-
-
-def collective_overlap(nbytes: int = 2**22, repeats: int = 5, trials: int = 7) -> dict[str, float]:
-    """Per collective kind the overlap model runs beside compute (devices.OVERLAP_KINDS), the
-    fraction of it this host hides behind compute issued while it runs, as the lowered
-    program issues prefetched gathers and gradient buckets (``async_op=True``, then matmuls,
-    then ``wait``): (t_compute + t_collective − t_both) / min(t_compute, t_collective), the
-    compute sized to take about as long as the collective; clipped to [−1, 1] (below 0 the
-    pair took longer than the two one after the other). The median of ``trials``: on a small
-    host a trial swings by ±0.3 (on a 2-vCPU VM gloo's thread and the compute share the two
-    cores; one all-reduce trial gave −1.48 beside −0.03 and −0.04). Called on every rank of
-    the group alike (the collectives must match); each returns its own."""
-    return {kind: statistics.median(_overlap_trial(kind, nbytes, repeats) for _ in range(trials))
-            for kind in OVERLAP_KINDS}
-
-
-def _overlap_trial(kind: str, nbytes: int, repeats: int) -> float:
-    world = dist.get_world_size()
-    flat, a = torch.ones(nbytes // 4 // world * world), torch.randn(256, 256)
-    gathered, shard = torch.empty(flat.numel() * world), torch.empty(flat.numel() // world)
-
-    def collective(async_op: bool = False):
-        if kind == "all_gather":
-            return dist.all_gather_into_tensor(gathered, flat, async_op=async_op)
-        if kind == "reduce_scatter":
-            return dist.reduce_scatter_tensor(shard, flat, async_op=async_op)
-        return dist.all_reduce(flat, async_op=async_op)
-
-    with warnings.catch_warnings():  # the *_tensor names are the ones every torch release has
-        warnings.simplefilter("ignore", FutureWarning)
-        alone_s = _median_time(collective, repeats, before=dist.barrier)
-        matmul_s = _median_time(lambda: a @ a, repeats)
-        count = max(1, round(alone_s / matmul_s))
-        counts = torch.tensor([count])
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the same work on every rank
-        count = int(counts)
-
-        def compute():
-            for _ in range(count):
-                a @ a
-
-        def both():
-            work = collective(async_op=True)
-            compute()
-            work.wait()
-
-        compute_s = _median_time(compute, repeats, before=dist.barrier)
-        both_s = _median_time(both, repeats, before=dist.barrier)
-    hidden = compute_s + alone_s - both_s
-    return min(1.0, max(-1.0, hidden / min(compute_s, alone_s)))
-
-
-def overlap_entries(overlap: dict[str, float]) -> dict:
-    """A cluster file's overlap keys for measured per-kind figures: ``collective_overlap``, and
-    ``overlap_efficiency`` (for kinds not listed) the least of them, never below 0."""
-    if not overlap:
-        return {"overlap_efficiency": 0.0}
-    return {"overlap_efficiency": max(0.0, min(overlap.values())), "collective_overlap": dict(overlap)}
-
-
-def _side(nbytes: int, world: int) -> int:
-    """Side of the square fp32 tensor of about ``nbytes`` whose rows split evenly over ``world``."""
-    return max(world, int((nbytes / 4) ** 0.5) // world * world)
-
-
-def _link_entry(link: dict, device: dict) -> dict:
-    """A cluster file's ``intra_node`` entry for a fitted link; a noisy fit must not claim a link
-    faster than the device's memory."""
-    bandwidth = min(link["bandwidth_Bps"], device["memory_bandwidth_GBps"] * GB)
-    return {"bandwidth_GBps": round(bandwidth / GB, 4), "latency_us": round(link["latency_s"] * 1e6, 2)}
-
-
 def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repeats: int,
                        device: dict | None, name: str, quick: bool, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -223,14 +114,14 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
             box = [_device_entry(name, world, quick)]
             dist.broadcast_object_list(box, src=0)
             device = box[0]
-        times = _collective_times(world, sizes, repeats)
-        box = [fit_collectives([4 * _side(b, world) ** 2 for b in sizes], times, world)]
+        times = collective_times(world, sizes, repeats)
+        box = [fit_collectives([4 * square_side(b, world) ** 2 for b in sizes], times, world)]
         dist.broadcast_object_list(box, src=0)  # every rank calibrates with rank 0's link figures
         link = box[0]
         box = [{kind: round(eta, 3) for kind, eta in collective_overlap(max(sizes), repeats).items()}]
         dist.broadcast_object_list(box, src=0)
         overlap = box[0]
-        calibrated = dict(device, intra_node=_link_entry(link, device), collective_efficiency=link["efficiency"],
+        calibrated = dict(device, intra_node=link_entry(link, device), collective_efficiency=link["efficiency"],
                           **overlap_entries(overlap))
         overhead = _calibrated_op_overhead(calibrated, world, repeats)
         if rank == 0:
@@ -243,22 +134,6 @@ def _collective_worker(rank: int, world: int, port: int, sizes: list[int], repea
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def fit_collectives(sizes: list[int], times: dict[str, list[float]], n: int) -> dict:
-    """Link figures from measured collectives: (β, α) fitted on the all-reduces
-    (:func:`fit_ring`), then each other kind's efficiency = the median over sizes of the
-    formula's time at those figures over the measured time."""
-    from autopar import comm
-    from autopar.cluster import Link
-
-    bandwidth, latency = fit_ring(sizes, times["all_reduce"], n)
-    ideal = Link(bandwidth, latency)
-    formulas = {"all_gather": comm.all_gather_s, "reduce_scatter": comm.reduce_scatter_s,
-                "all_to_all": comm.all_to_all_s}
-    efficiency = {kind: round(statistics.median(formula(b, n, ideal) / t for b, t in zip(sizes, times[kind])), 4)
-                  for kind, formula in formulas.items() if kind in times}
-    return {"bandwidth_Bps": bandwidth, "latency_s": latency, "efficiency": efficiency}
 
 
 def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
@@ -292,7 +167,7 @@ def _calibrated_op_overhead(device: dict, world: int, repeats: int) -> float:
             p.grad = None
 
     step()
-    measured = _median_time(step, 2 * repeats + 1)
+    measured = median_time(step, 2 * repeats + 1)
     ops = (predicted[1] - predicted[0]) / 1e-3  # op executions the model counts per step
     return max(0.0, (measured - predicted[0]) / ops)
 
@@ -338,28 +213,6 @@ def _run_workers(worker, world: int, args: tuple) -> None:
         raise
 
 
-def fit_ring(sizes: list[int], times: list[float], n: int) -> tuple[float, float]:
-    """Least-squares (β, α) of ``t = 2(n−1)/n · bytes/β + 2(n−1)·α`` (α, β kept positive).
-
-    Residuals are relative (weights 1/t²): the sizes span four orders of magnitude, and plain
-    least squares would let the largest message decide the latency of the smallest.
-
-    >>> bw, lat = fit_ring([1e6, 2e6, 4e6], [0.0011, 0.0021, 0.0041], 2)
-    >>> round(bw / 1e9, 3), round(lat * 1e6, 1)
-    (1.0, 50.0)
-    """
-    xs = [2 * (n - 1) / n * b for b in sizes]
-    weights = [1.0 / t**2 for t in times]
-    total = sum(weights)
-    mean_x = sum(w * x for w, x in zip(weights, xs)) / total
-    mean_t = sum(w * t for w, t in zip(weights, times)) / total
-    slope = (sum(w * (x - mean_x) * (t - mean_t) for w, x, t in zip(weights, xs, times))
-             / sum(w * (x - mean_x) ** 2 for w, x in zip(weights, xs)))
-    slope = max(slope, 1e-15)
-    intercept = max(mean_t - slope * mean_x, 0.0)
-    return 1.0 / slope, intercept / (2 * (n - 1))
-
-
 def _device_entry(name: str, world: int, quick: bool) -> dict:
     """Kernel rates of one device (one process's share of the cores), as a cluster file entry."""
     repeats = 2 if quick else 5
@@ -391,7 +244,7 @@ def profile_cluster(world: int = 2, name: str = "cpu-local", quick: bool = False
     return {
         "devices": {name: {
             **device,
-            "intra_node": _link_entry(link, device),
+            "intra_node": link_entry(link, device),
             "collective_efficiency": link["efficiency"],
             "op_overhead_us": round(overhead * 1e6, 2),
             **overlap_entries(overlap),

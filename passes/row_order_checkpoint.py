@@ -16,9 +16,10 @@ in place (``__get_tensor_shard__`` returns views).
 Tensors made anew from these (``dcp.async_save``'s staging copies, ``get_state_dict``'s
 ``cpu_offload`` and ``full_state_dict`` options) carry no answers and record the plan's order
 (docs/training.md says so). Parameters are marked by ``ParallelModule``'s state-dict hook;
-optimizer states by a global optimizer step hook (the optimizer is the user's: torch gives no
-other place to reach it, and ``get_state_dict`` steps a fresh optimizer once to create its
-states, which runs the hook).
+optimizer states by a state-dict pre-hook on each optimizer, put there by a global optimizer
+step hook the first time that optimizer steps (the optimizer is the user's: torch gives no
+other place to reach it; its states exist only after a step, and ``get_state_dict`` steps a
+fresh optimizer once to create them).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar.passes.runtime import ROW_ORDER_ATTR
 
-_MARK = "_autopar_model_order"  # on a marked local tensor: the order it answers DCP in
-_RUNS = "_autopar_model_runs"  # and its runs (first local row, chunk in the model's order), whole size
+# on a marked local tensor: (the order it answers DCP in, its runs (first local row, chunk in the
+# model's order), the whole tensor's size)
+_ANSWERS = "_autopar_model_order"
 
 
 def model_order_runs(value: DTensor, order: list[int]) -> list[tuple[int, ChunkStorageMetadata]]:
@@ -61,17 +63,17 @@ def mark_model_order(value: DTensor, order: list[int]) -> None:
     snapshot) saves the values it was copied with, not the live tensor's later ones."""
     with torch.no_grad():
         local = value.to_local()  # the DTensor's own local tensor (no autograd wrapper)
-    if getattr(local, _MARK, None) == order or not value.shape or value.shape[0] != len(order):
+    marked = getattr(local, _ANSWERS, None)
+    if marked is not None and marked[0] == order or not value.shape or value.shape[0] != len(order):
         return
-    setattr(local, _RUNS, (model_order_runs(value, order), value.size()))
+    setattr(local, _ANSWERS, (list(order), model_order_runs(value, order), value.size()))
     for name, method in (("__create_write_items__", _create_write_items), ("__create_chunk_list__", _create_chunk_list),
                          ("__get_tensor_shard__", _get_tensor_shard)):
         setattr(local, name, types.MethodType(method, local))
-    setattr(local, _MARK, list(order))
 
 
 def _create_write_items(local: torch.Tensor, fqn: str, _obj) -> list[WriteItem]:
-    runs, size = getattr(local, _RUNS)
+    _order, runs, size = getattr(local, _ANSWERS)
     properties = TensorProperties.create_from_tensor(local)
     return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                       tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=size))
@@ -79,11 +81,11 @@ def _create_write_items(local: torch.Tensor, fqn: str, _obj) -> list[WriteItem]:
 
 
 def _create_chunk_list(local: torch.Tensor) -> list[ChunkStorageMetadata]:
-    return [chunk for _start, chunk in getattr(local, _RUNS)[0]]
+    return [chunk for _start, chunk in getattr(local, _ANSWERS)[1]]
 
 
 def _get_tensor_shard(local: torch.Tensor, index: MetadataIndex) -> torch.Tensor:
-    for start, chunk in getattr(local, _RUNS)[0]:
+    for start, chunk in getattr(local, _ANSWERS)[1]:
         if chunk.offsets == index.offset:
             return local.narrow(0, start, chunk.sizes[0])
     raise ValueError(f"{index.fqn}: no rows of this rank start at {tuple(index.offset)} in the model's order")
@@ -98,28 +100,33 @@ def mark_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, _loc
             mark_model_order(value, order)
 
 
-_reordered_of: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, list]]" = weakref.WeakKeyDictionary()
+_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 _hook = None
 
 
 def watch_optimizers() -> None:
-    """Register (once per process) the optimizer step hook that marks the optimizer states of
-    reordered parameters (:func:`_mark_optimizer_states`)."""
+    """Register (once per process) the optimizer step hook that gives each optimizer its
+    state-dict pre-hook (:func:`_watch`)."""
     global _hook
     if _hook is None:
-        _hook = register_optimizer_step_post_hook(_mark_optimizer_states)
+        _hook = register_optimizer_step_post_hook(_watch)
 
 
-def _mark_optimizer_states(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
-    """After a step: every DTensor state shaped like a reordered parameter, in its order. The
-    reordered parameters of each optimizer are found once (again when its groups change)."""
-    count = sum(len(group["params"]) for group in optimizer.param_groups)
-    known = _reordered_of.get(optimizer)
-    if known is None or known[0] != count:
-        known = (count, [p for group in optimizer.param_groups for p in group["params"]
-                         if getattr(p, ROW_ORDER_ATTR, None) is not None])
-        _reordered_of[optimizer] = known
-    for param in known[1]:
-        for value in optimizer.state.get(param, {}).values():
-            if isinstance(value, DTensor) and value.shape == param.shape:
-                mark_model_order(value, getattr(param, ROW_ORDER_ATTR))
+def _watch(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
+    """After an optimizer's step (its states exist now): once per optimizer, a state-dict
+    pre-hook that marks them whenever they are read for a checkpoint."""
+    if optimizer not in _watched:
+        optimizer.register_state_dict_pre_hook(_mark_optimizer_states)
+        _watched.add(optimizer)
+
+
+def _mark_optimizer_states(optimizer: torch.optim.Optimizer) -> None:
+    """Every DTensor state shaped like a reordered parameter, in that parameter's order."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            order = getattr(param, ROW_ORDER_ATTR, None)
+            if order is None:
+                continue
+            for value in optimizer.state.get(param, {}).values():
+                if isinstance(value, DTensor) and value.shape == param.shape:
+                    mark_model_order(value, order)

@@ -16,7 +16,7 @@ from autopar.mesh import MeshSpec
 from autopar.passes.cost import OpCost, op_class
 from autopar.passes.reshard_cost import reshard_s
 from autopar.placements import R, Shard
-from autopar.profile import fit_collectives
+from autopar.profile_collectives import fit_collectives
 from distributed import run_world
 
 

@@ -83,15 +83,18 @@ def _load_and_train_three_more(folder: str, cluster: str, options: dict) -> dict
     return {"kind": _kind(pmodel.plan), "params": {name: full_value(p).tolist() for name, p in pmodel.named_parameters()}}
 
 
-def _single_process() -> dict[str, torch.Tensor]:
-    model = _model()
+def _reference(model, batch, steps: int, loss_fn=F.mse_loss) -> tuple[dict[str, torch.Tensor], dict]:
+    """The single-process run: ``model`` after ``steps`` AdamW steps on ``batch(step)`` (inputs...,
+    target); its parameters and AdamW first moments by name."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(2 * STEPS):
-        x, target = _batch(step)
-        F.mse_loss(model(x), target).backward()
+    for step in range(steps):
+        *inputs, target = batch(step)
+        loss_fn(model(*inputs), target).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return dict(model.named_parameters())
+    names = {id(p): name for name, p in model.named_parameters()}
+    moments = {names[id(p)]: state["exp_avg"] for p, state in optimizer.state.items()}
+    return dict(model.named_parameters()), moments
 
 
 CLUSTERS = os.path.join(os.path.dirname(__file__), "clusters")
@@ -112,7 +115,7 @@ def test_a_checkpoint_saved_under_one_plan_loads_under_another_on_more_ranks(tmp
     assert run_world(2, _save_after_three_steps, folder, cluster_a, options_a) == kind_a
     loaded = run_world(4, _load_and_train_three_more, folder, cluster_b, options_b)
     assert loaded["kind"] == kind_b, loaded["kind"]
-    reference = _single_process()
+    reference, _ = _reference(_model(), _batch, 2 * STEPS)
     for name, values in loaded["params"].items():
         error = (torch.tensor(values) - reference[name]).abs().max().item()
         assert error < 1e-5, (trip, name, error)
@@ -164,19 +167,6 @@ def _load_moe_and_train_three_more(folder: str, module_list: bool) -> dict:
             "params": {name: full_value(p).tolist() for name, p in pmodel.named_parameters()}}
 
 
-def _moe_single_process(steps: int, module_list: bool) -> tuple[dict[str, torch.Tensor], dict]:
-    model = _moe_model(module_list=module_list)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(steps):
-        x, target = _moe_batch(step)
-        _next_token_loss(model(x), target).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    names = {id(p): name for name, p in model.named_parameters()}
-    moments = {names[id(p)]: state["exp_avg"] for p, state in optimizer.state.items()}
-    return dict(model.named_parameters()), moments
-
-
 @pytest.mark.distributed
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the single-process read of the folder
 @pytest.mark.parametrize("module_list", [False, True], ids=["stacked", "module_list"])
@@ -195,13 +185,13 @@ def test_experts_in_a_balanced_order_are_saved_in_the_model_s_order(tmp_path, mo
     assert ("O" in saved_plan["placements"]) == module_list, saved_plan
     dcp_to_torch_save(folder, str(tmp_path / "step3.pt"))
     saved = torch.load(tmp_path / "step3.pt", weights_only=True)
-    weights, moments = _moe_single_process(STEPS, module_list)
+    weights, moments = _reference(_moe_model(module_list=module_list), _moe_batch, STEPS, _next_token_loss)
     for name, weight in weights.items():  # the reordered stacked weights among them
         assert (saved["model"][name] - weight).abs().max().item() < 1e-10, name
         assert (saved["optimizer"]["state"][name]["exp_avg"] - moments[name]).abs().max().item() < 1e-10, name
     loaded = run_world(4, _load_moe_and_train_three_more, folder, module_list)
     assert loaded["orders"] != orders, loaded["orders"]  # another plan: its own order, or none
-    reference, _ = _moe_single_process(2 * STEPS, module_list)
+    reference, _ = _reference(_moe_model(module_list=module_list), _moe_batch, 2 * STEPS, _next_token_loss)
     for name, values in loaded["params"].items():
         error = (torch.tensor(values, dtype=torch.float64) - reference[name]).abs().max().item()
         assert error < 1e-10, (name, error)
@@ -256,14 +246,7 @@ def test_tables_each_on_one_device_load_as_tables_split_another_way_on_more_rank
     assert [saved[f"embeddings.{t}.weight"] for t in (0, 1)] == ["table_wise"] * 2, saved
     loaded = run_world(4, _load_dlrm_and_train_three_more, folder)
     assert [loaded["tables"][f"embeddings.{t}.weight"] for t in (0, 1)] == ["sparse_allgather"] * 2, loaded["tables"]
-    model = _dlrm()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step in range(2 * STEPS):
-        dense, ids, target = _dlrm_batch(step)
-        F.mse_loss(model(dense, ids), target).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    reference = dict(model.named_parameters())
+    reference, _ = _reference(_dlrm(), _dlrm_batch, 2 * STEPS)
     for name, values in loaded["params"].items():
         error = (torch.tensor(values, dtype=torch.float64) - reference[name]).abs().max().item()
         assert error < 1e-10, (name, error)

@@ -22,7 +22,7 @@ Bottom to top, each layer and what it may import from the project:
   planning  autopar.planning, autopar.planning.*           all but the face
   face      autopar (the package), autopar.{api, cli, cli_args,     anything
             cli_commands, model_files, report, plan_diff, html_report,
-            profile, trace}
+            profile, profile_collectives, trace}
 
 Where the less obvious modules sit, and why:
   * autopar.parallel (ParallelModule, what lowering returns) is lowering/runtime: it is the
@@ -65,7 +65,8 @@ LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_
                                             "runtime", "attention_runtime", "expert_runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe", "place_state", "row_order_checkpoint")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "cli_commands", "model_files",
-                                                "report", "plan_diff", "html_report", "profile", "timeline", "trace")}
+                                                "report", "plan_diff", "html_report", "profile", "profile_collectives", "timeline",
+                                                "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.expert_runtime", "autopar.passes.reshard",
            "autopar.passes.row_order_checkpoint", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 

@@ -79,21 +79,39 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     return choose(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), target, options)
 
 
-def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module, example_inputs, *,
+def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module | None = None, example_inputs=None, *,
            memory_limit: float | None = None, time_limit_s: float = 60.0, solver: str = "cpsat"):
-    """Re-plan ``model`` for a changed ``cluster`` (a slower link, a lost host, another device
-    kind), warm-started from ``plan`` and with ``plan``'s options; returns a
+    """Re-plan for a changed ``cluster`` (a slower link, a lost host, another device kind),
+    warm-started from ``plan`` and with ``plan``'s options; returns a
     :class:`autopar.planning.replan.Replan`: ``.plan`` (the new plan), ``.previous_step_s``
     (the old plan re-costed on the new cluster), ``.migration_bytes`` and ``.migration_s`` (the
     state the busiest device must receive to switch), ``.break_even_steps``, ``.switch`` and
-    ``.reason``. Nothing switches by itself: the caller decides."""
+    ``.reason``. Nothing switches by itself: the caller decides.
+
+    A plan made in this process keeps the graphs it was planned from (``plan.graphs``): without
+    ``model`` and ``example_inputs`` they are re-planned as they are — no new trace, and the
+    placements each mesh shape allows are not enumerated again. A plan read from a file needs
+    the model and its example inputs (captured anew)."""
     from autopar.planning import ModelGraphs, PlanOptions
     from autopar.planning.replan import replan as make_replan
 
+    if not isinstance(plan, Plan):
+        raise AutoparError(ErrorKind.BAD_INPUT, f"replan() re-plans an autopar.Plan, got {type(plan).__name__}; "
+                           "load one with autopar.load_plan(path)")
+    if (model is None) != (example_inputs is None):
+        raise AutoparError(ErrorKind.BAD_INPUT, "replan() takes the model together with its example inputs, or "
+                           "neither (then the graphs the plan was made from in this process)")
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     options = PlanOptions.of_plan(plan, solver=solver, time_limit_s=time_limit_s)
-    return make_replan(ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype), plan, target,
-                       options)
+    if model is not None:
+        graphs = ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype)
+    elif plan.graphs is not None:
+        graphs = plan.graphs
+    else:
+        raise AutoparError(ErrorKind.BAD_INPUT, "this plan carries no graphs to re-plan from (it was read from a file "
+                           "or made in another process): pass the model and its example inputs, "
+                           "autopar.replan(plan, cluster, model, example_inputs)")
+    return make_replan(graphs, plan, target, options)
 
 
 def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:

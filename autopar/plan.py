@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from autopar import placements as pl
@@ -269,8 +269,10 @@ class Plan:
     # activation checkpointing: layer -> "full" (recomputed whole in backward; passes.recompute);
     # empty when every activation is kept
     recompute: dict[str, str] = field(default_factory=dict)
-    # what recomputing costs and saves: rerun_s (forward time run again in backward, per step) and
-    # activations_kept_bytes (per device, had every activation been kept); empty without it
+    # what recomputing costs and saves: rerun_s (forward time run again in backward, per step),
+    # activations_kept_bytes (per device, had every activation been kept) and rerun_buffer_bytes
+    # (the share of memory.activations_bytes that is one layer's activations, live in backward
+    # while it reruns: forward hands backward the rest; absent in older plans); empty without it
     recompute_cost: dict[str, float] = field(default_factory=dict)
     # how the graph's outputs are left for the training step's loss (one-mesh plans): a placement
     # per output, split along their batch dim where the work was (autopar.parallel computes the
@@ -287,6 +289,10 @@ class Plan:
     overlap: dict[str, Any] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
     timings: dict[str, float] = field(default=None, compare=False, hash=False)  # not serialised
+    # the captured graphs the plan was made from (autopar.planning.ModelGraphs), in the process
+    # that made it: what autopar.replan re-plans from without the model or a new trace. Neither
+    # serialised nor pickled (a plan read from a file or sent to another rank has none)
+    graphs: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def stage_groups(self) -> list[tuple[StagePlan, ...]]:
         """A pipeline plan's stages by the device group that runs them: one stage each, or
@@ -339,9 +345,14 @@ class Plan:
         m = self.memory
         return m.params_bytes + m.grads_bytes + m.optimizer_bytes + math.ceil(m.activations_bytes * batch_size / traced)
 
+    def __getstate__(self) -> dict:
+        """Pickled (e.g. broadcast to other ranks) without :attr:`graphs`: a model and its graph."""
+        return {**self.__dict__, "graphs": None}
+
     def to_json(self) -> str:
-        d = asdict(self)
+        d = asdict(replace(self, graphs=None))  # asdict deep-copies every field
         d.pop("timings")
+        d.pop("graphs")
         d["inputs"] = [i.to_json() for i in self.inputs]
         return json.dumps(d, sort_keys=True, indent=1) + "\n"
 

@@ -130,6 +130,7 @@ def check_plan_types(plan, source: str) -> None:
         _fail(source, "options", "a positive bucket_cap_mb and a prefetch_layers of 0 or more", plan.options)
     if plan.recompute_cost:
         _need(plan.recompute_cost, {"rerun_s": _NUMBER, "activations_kept_bytes": _NUMBER}, "recompute_cost", source)
+        _need(plan.recompute_cost, {"rerun_buffer_bytes": _NUMBER}, "recompute_cost", source, optional=True)
     if plan.overlap:
         _need(plan.overlap, {"efficiency": _NUMBER, "layers": list}, "overlap", source)
         _need(plan.overlap, {"by_collective": dict}, "overlap", source, optional=True)

@@ -65,7 +65,7 @@ def main() -> None:
             migration_s = 0.0
             replan_s = None
             if k:
-                answer = autopar.replan(current, path, model, inputs)
+                answer = autopar.replan(current, path)  # from the graphs the plan was made from
                 replan_s = answer.replan_s
                 if answer.switch:
                     migration_s = answer.migration_s

@@ -41,7 +41,7 @@ from autopar.passes.expert_dispatch import add_expert_dispatch
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.problem_edges import edge_args, follows, make_edge, tensor_index
 from autopar.passes.node_memory import (
-    OPTIMIZER_STATES, ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, parameter_bytes, zero_twins)
+    OPTIMIZER_STATES, ParameterBytes, kept_bytes, leaving_bytes, loss_bytes, output_bytes, parameter_bytes, zero_twins)
 from autopar.passes.sparse import add_sparse_exchange, add_table_wise, owned_table_options, table_wise_tables
 from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
@@ -71,6 +71,9 @@ class ProblemIndex:
     # the forward time it reruns in backward (what recomputing saves and costs)
     kept_without_recompute: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     rerun_s: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+    # node -> per strategy, the bytes of its memory that are one recomputed layer's activations,
+    # live in backward while that layer reruns (not handed from forward to backward)
+    rerun_buffer: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     # overlap group id -> the layer it is ("" outside every layer), in the order the graph runs them
     group_names: list[str] = dataclasses.field(default_factory=list)
 
@@ -121,6 +124,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     recomputed: dict[int, tuple[list[int], list[int], bool]] = {}
     kept_without_recompute: dict[int, list[int]] = {}
     rerun_s: dict[int, list[float]] = {}
+    rerun_buffer: dict[int, list[int]] = {}
     first_layer: dict[str, str] = {}  # ModuleList -> its first layer (the rerun buffer is counted on it)
     if recompute:
         for layer in layer_order(graph):
@@ -174,8 +178,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else kept_bytes(node, s, saved, mesh.shape, activation_copies)
                    + gathered_kv_bytes(node, s, mesh.shape, activation_copies) for s in options]
-            if stored:  # selective: matmul and attention outputs kept as without recomputation
-                recomputed[len(names)] = (mem, mem, False)
+            if stored:  # selective: the checkpoint caches matmul and attention outputs, all of them
+                cached = [0 if op_cost.is_view else output_bytes(node, s, mesh.shape, activation_copies)
+                          + gathered_kv_bytes(node, s, mesh.shape, activation_copies) for s in options]
+                recomputed[len(names)] = (cached, mem, False)
             elif layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
                 leaves = [0 if op_cost.is_view else leaving_bytes(node, s, layer, mesh.shape, activation_copies)
                           for s in options]
@@ -198,7 +204,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         counts[position[rep]] += 1
     for q, (leaves, whole, buffer) in recomputed.items():  # one layer's worth, over its copies
         kept_without_recompute[q] = whole
-        memory[q] = [kept + (full // counts[q] if buffer else 0) for kept, full in zip(leaves, whole)]
+        if buffer:
+            rerun_buffer[q] = [full // counts[q] for full in whole]
+        memory[q] = [kept + extra for kept, extra in zip(leaves, rerun_buffer.get(q, [0] * len(leaves)))]
 
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
@@ -252,7 +260,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                               overlap_efficiency=overlap_efficiency, collective_overlap=collective_overlap,
                               prefetch=prefetch)
     return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
-                                 kept_without_recompute, rerun_s, list(group_of))
+                                 kept_without_recompute, rerun_s, rerun_buffer, list(group_of))
 
 
 def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[torch.fx.Node],

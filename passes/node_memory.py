@@ -82,11 +82,12 @@ def _split_on(val: torch.Tensor, spec: pl.Spec, dims: tuple[int, ...], mesh_shap
     return None
 
 
-# A training step's loss on the outputs (cross-entropy's log-softmax, a squared error) keeps an
-# fp32 copy of each floating output for backward, and backward starts from an fp32 gradient of
-# the same size: both are held at the step's peak. passes.memory already keeps the output itself
-# (in its own dtype), which stands for part of the first.
-LOSS_BYTES_PER_ELEMENT = 2 * 4
+# A training step's loss on the outputs keeps, beside the outputs themselves (passes.memory
+# counts them, in their own dtype), a copy of each floating output for backward
+# (cross-entropy's log-softmax, in the outputs' dtype), and backward starts from a gradient of
+# the same size: both are held at the step's peak. Measured on a lowered GPT at the start of
+# backward (tests/test_recompute.py): outputs + one copy, in fp32 and in bf16.
+LOSS_COPIES = 2
 
 
 def loss_bytes(outputs: list[torch.fx.Node], sink: Strategy, mesh_shape: tuple[int, ...]) -> int:
@@ -96,8 +97,7 @@ def loss_bytes(outputs: list[torch.fx.Node], sink: Strategy, mesh_shape: tuple[i
     for node, spec in zip(outputs, sink.inputs):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.is_floating_point():
-            extra = LOSS_BYTES_PER_ELEMENT - val.element_size()
-            total += val.numel() * extra // pl.divided_over(spec, mesh_shape)
+            total += val.numel() * LOSS_COPIES * val.element_size() // pl.divided_over(spec, mesh_shape)
     return total
 
 
@@ -114,8 +114,12 @@ def leaving_bytes(node: torch.fx.Node, strategy: Strategy, layer: str, mesh_shap
                   copies: int) -> int:
     """Bytes a checkpointed ``layer`` keeps of ``node``: its outputs when read outside the
     layer (the next layer's input), else nothing."""
-    if not leaves_layer(node, layer):
-        return 0
+    return output_bytes(node, strategy, mesh_shape, copies) if leaves_layer(node, layer) else 0
+
+
+def output_bytes(node: torch.fx.Node, strategy: Strategy, mesh_shape: tuple[int, ...], copies: int) -> int:
+    """Bytes of all of ``node``'s tensor outputs by their placement, for ``copies`` micro-batches:
+    what selective checkpointing caches of an op it saves (whether or not autograd would)."""
     return copies * sum(tensor_bytes(v) // pl.divided_over(p, mesh_shape)
                         for v, p in zip(output_vals(node), strategy.outputs)
                         if p is not None and isinstance(v, torch.Tensor))

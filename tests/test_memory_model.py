@@ -26,12 +26,12 @@ def _kept(model, inputs) -> list[tuple[str, tuple, torch.dtype]]:
 
 def test_mlp_footprint_by_hand():
     """x → addmm → gelu → addmm: gelu keeps its input, the second addmm keeps gelu's output,
-    the loss keeps the model output and backward starts from its gradient; the first addmm's
-    output is not kept twice."""
+    the loss keeps the model output and a copy of it (cross-entropy's log-softmax), backward
+    starts from its gradient; the first addmm's output is not kept twice."""
     b = 8
     plan = autopar.plan(MLP(16, 32, 8, layers=1), (torch.randn(b, 16),), cluster="1xH100")
-    # input x, addmm out, gelu out, model output, its gradient at the loss (fp32)
-    expected = 4 * b * (16 + 32 + 32 + 8 + 8)
+    # input x, addmm out, gelu out, model output, the loss's copy of it, its gradient (fp32)
+    expected = 4 * b * (16 + 32 + 32 + 8 + 8 + 8)
     assert plan.memory.activations_bytes == expected
 
 

@@ -103,6 +103,36 @@ def test_replan_refuses_another_model():
         autopar.replan(old, "4xH100", other, (x,))
 
 
+def test_a_plan_made_here_replans_from_its_own_graphs_without_the_model(tmp_path, monkeypatch):
+    """``autopar.replan(plan, cluster)``: a plan made in this process keeps the graphs it was
+    planned from, so re-planning needs neither the model nor a new trace, and gives the plan a
+    re-plan from the model gives; the graphs go neither into the file nor over a pickle (to
+    other ranks), and a plan read back asks for the model by name."""
+    import pickle
+
+    import autopar.planning.graphs
+
+    model, x = _model()
+    slow, fast = _cluster(tmp_path, 0.5), _cluster(tmp_path, 300)
+    old = autopar.plan(model, (x,), cluster=slow, mesh_shape=(4,))
+    from_model = autopar.replan(old, fast, model, (x,))
+    monkeypatch.setattr(autopar.planning.graphs, "capture", _no_trace)
+    answer = autopar.replan(old, fast)
+    assert answer.plan.graphs is old.graphs  # and the next re-plan reuses them again
+    assert answer.plan.to_json() == from_model.plan.to_json() and answer.switch == from_model.switch
+    assert answer.migration_bytes == from_model.migration_bytes
+    assert pickle.loads(pickle.dumps(old)).graphs is None and pickle.loads(pickle.dumps(old)) == old
+    old.save(tmp_path / "old.json")
+    with pytest.raises(AutoparError, match="pass the model and its example inputs"):
+        autopar.replan(autopar.load_plan(tmp_path / "old.json"), fast)
+    with pytest.raises(AutoparError, match="together with its example inputs"):
+        autopar.replan(old, fast, model)
+
+
+def _no_trace(*args, **kwargs):
+    raise AssertionError("re-planned from the model: it was traced again")
+
+
 def test_the_cli_replans_a_saved_plan(tmp_path, capsys):
     from autopar.cli import main
 

@@ -94,7 +94,7 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
     baselines = best.baselines if best.family == "one_mesh" else _baselines(graphs, cluster, options)
     best = dataclasses.replace(best, baselines=baselines, families=entries, work=step_work(graphs.full, cluster),
                                timings={**best.timings, "plan_s": time.perf_counter() - start,
-                                        "capture_s": graphs.capture_s})
+                                        "capture_s": graphs.capture_s}, graphs=graphs)
     return _with_symbolic_costs(best, graphs, cluster) if options.symbolic else best
 
 

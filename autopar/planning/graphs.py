@@ -19,6 +19,7 @@ from torch import nn
 from autopar.passes.capture import Captured, capture, normalize_inputs
 from autopar.passes.experts import annotate_experts
 from autopar.passes.sparse import annotate_lookups
+from autopar.passes.strategies import MEMO_KEY
 
 log = logging.getLogger(__name__)
 
@@ -58,4 +59,6 @@ class ModelGraphs:
         captured = capture(self.model, inputs, self.compute_dtype)
         annotate_lookups(captured, inputs, self.sparsity)
         annotate_experts(captured, inputs)
+        for node in captured.graph.nodes:  # strategies depend on the mesh shape only: every search
+            node.meta[MEMO_KEY] = {}  # of this graph (recompute modes, other clusters) reuses them
         return captured

@@ -68,7 +68,8 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
     # the busiest table-wise owner's excess is master weights, gradients and states alike
     excess = table_excess // (2 + options.optimizer_states)
     memory = {"param": table_excess - excess * (1 + options.optimizer_states), "grad": excess,
-              "states": excess * options.optimizer_states, "act": 0, "act_kept": 0, "rerun_s": 0.0}
+              "states": excess * options.optimizer_states, "act": 0, "act_kept": 0, "rerun_s": 0.0,
+              "rerun_buffer": 0}
     for position, node in enumerate(captured.graph.nodes):
         q = index.node_of.get(node.name)
         if q is None:
@@ -109,6 +110,7 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
             memory["act"] += problem.node_memory[q][choice]
             memory["act_kept"] += index.kept_without_recompute.get(q, problem.node_memory[q])[choice]
             memory["rerun_s"] += index.rerun_s[q][choice] if q in index.rerun_s else 0.0
+            memory["rerun_buffer"] += index.rerun_buffer[q][choice] if q in index.rerun_buffer else 0
     out = index.node_of[OUTPUT]
     sink = index.strategies[out][solution.choice[out]]
     memory["act"] += problem.node_memory[out][solution.choice[out]]  # the loss's fp32 copies (passes.node_memory)
@@ -142,7 +144,8 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
         mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
         recompute=dict.fromkeys(layer_order(captured.graph), options.recompute)
         if options.recompute in ("full", "selective") else {},
-        recompute_cost={"rerun_s": memory["rerun_s"], "activations_kept_bytes": memory["act_kept"]}
+        recompute_cost={"rerun_s": memory["rerun_s"], "activations_kept_bytes": memory["act_kept"],
+                        "rerun_buffer_bytes": memory["rerun_buffer"]}
         if options.recompute in ("full", "selective") else {},
         experts=experts, comm_bytes=sent, timings=timings, outputs=outputs,
         overlap=_overlap_summary(problem, index, solution.choice),

@@ -63,7 +63,7 @@ def annotate_symbolic(captured: Captured, model: nn.Module, example_inputs) -> i
     others = []
     for k in _TRACES:
         log.info("symbolic costs: tracing at batch %d", k * b0)
-        other = capture(model, resized(example_inputs, k * b0), captured.compute_dtype).graph
+        other = capture(model, resized(example_inputs, k * b0), captured.compute_dtype, stack_traces=False).graph
         annotate_costs(other)
         others.append(other)
     for other, k in zip(others, _TRACES):

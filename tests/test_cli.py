@@ -40,11 +40,15 @@ def test_plan_factory_json_and_show(tmp_path):
     assert again["predicted_step_s"] == summary["predicted_step_s"]
     assert again["mixed_precision"] == summary["mixed_precision"]
     assert again["imbalance"] == {"time": 1.0, "memory": 1.0}  # one mesh: every device runs the same program
+    # the practitioners' figures: an MLP on rows has no tokens per second, but a model FLOPs utilisation
+    assert summary["tokens_per_s_per_device"] is None and 0 < summary["predicted_mfu"] < 1
+    assert again["predicted_mfu"] == summary["predicted_mfu"] and again["tokens_per_s_per_device"] is None
     top = again["top_nodes"]["by_time"]
     assert len(top) == 5 and top[0]["compute_s"] + top[0]["reshard_s"] >= top[-1]["compute_s"] + top[-1]["reshard_s"]
     assert [g["layers"] for g in again["layers"]] == ["layers.0", "layers.1", "layers.2"] or \
         any("-" in g["layers"] for g in again["layers"])
     table = autopar("show", str(out))
+    assert f"predicted MFU {100 * summary['predicted_mfu']:.1f}%" in table.stdout
     for heading in ("mixed precision: compute, activations and weight gathers in bfloat16", "memory per device",
                     "plan vs baselines", "parameter placements per layer",
                     "top 5 nodes by time", "top 5 nodes by memory", "parameters by placement"):

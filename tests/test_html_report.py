@@ -80,6 +80,10 @@ def test_report_is_self_contained_with_expected_sections(plan):
         assert heading in parser.headings, heading
     assert "(2 identical)" in page  # the two GPT blocks are shown once
     assert "ddp" in page and "fsdp" in page
+    from autopar.report import throughput
+    rates = throughput(plan)  # the practitioners' figures, as `show` and --json give them
+    assert f"predicted {rates['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU " \
+           f"{100 * rates['predicted_mfu']:.1f}%" in page
 
 
 def test_report_in_headless_chromium(plan, pipeline_plan, tmp_path):

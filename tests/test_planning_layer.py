@@ -53,9 +53,9 @@ def test_the_model_is_captured_once_per_batch_size(monkeypatch):
     seen = []
     real = graphs_module.capture
 
-    def counting(model, inputs, compute_dtype=None):
+    def counting(model, inputs, compute_dtype=None, **options):
         seen.append(inputs[0].shape[0])
-        return real(model, inputs, compute_dtype)
+        return real(model, inputs, compute_dtype, **options)
 
     monkeypatch.setattr(graphs_module, "capture", counting)
     model, inputs = _gpt()
@@ -63,6 +63,20 @@ def test_the_model_is_captured_once_per_batch_size(monkeypatch):
     assert set(plan.families) == {"one_mesh", "pipeline", "replicas"}
     # whole batch (one mesh), 4 rows (2 micro-batches, and each replica's share), 2 rows (4 micro-batches)…
     assert sorted(seen) == sorted(set(seen)) and 8 in seen and 4 in seen
+
+
+def test_planning_records_no_source_lines_and_lowering_does():
+    """The planner's graphs carry no per-node source lines (their recording is a fifth of
+    export's time on a large model, and planning reads none); the graph lowering runs does, so
+    ``pmodel.code`` still points at the model's lines."""
+    from autopar.passes.capture import capture
+
+    model, inputs = _gpt()
+    planned = graphs_module.ModelGraphs(model, inputs).full.graph
+    lowered = capture(model, inputs).graph
+    ops = [n for n in planned.nodes if n.op == "call_function"]
+    assert ops and not any(n.meta.get("stack_trace") for n in ops)
+    assert any("models.py" in (n.meta.get("stack_trace") or "") for n in lowered.nodes)
 
 
 class _Eager:

@@ -179,6 +179,23 @@ def test_recomputed_layers_train_like_one_process_on_four_ranks():
     assert any("Shard" in p for p in results[0]["placements"]), results[0]
 
 
+@pytest.mark.distributed
+def test_transformers_llama_recomputes_and_shards_its_optimizer_like_one_process():
+    """Hugging Face Llama with its default (fused sdpa) attention: selective recomputation under
+    ZeRO-2 (weights used whole, gradients and AdamW states split) and full recomputation under
+    FSDP, on 2 ranks — every number as the single-process model's."""
+    pytest.importorskip("transformers")
+    import zoo
+
+    name, kwargs, kind, batch, _limited, dtype, steps = zoo.equivalence_case("llama", 2)
+    cases = [(name, kwargs, kind, batch, {"cluster": "2xH100", "recompute": mode, "configuration": configuration},
+              dtype, steps) for mode, configuration in (("selective", "zero2"), ("full", "fsdp"))]
+    results = run_world(2, run_cases, cases)
+    _check_fp32(cases, results)
+    assert results[0]["fused_attention"] == results[1]["fused_attention"] == 2, results
+    assert results[0]["zero"] > 0 and any("Shard" in p for p in results[1]["placements"]), results
+
+
 def test_plan_reports_what_recomputation_costs_and_saves():
     """show: the forward time rerun and the activations kept with and without; HTML: a memory
     bar for the same placements keeping everything."""

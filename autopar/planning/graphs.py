@@ -56,7 +56,7 @@ class ModelGraphs:
         return self._derived[key]
 
     def _capture(self, inputs) -> Captured:
-        captured = capture(self.model, inputs, self.compute_dtype)
+        captured = capture(self.model, inputs, self.compute_dtype, stack_traces=False)  # lowering keeps them
         annotate_lookups(captured, inputs, self.sparsity)
         annotate_experts(captured, inputs)
         for node in captured.graph.nodes:  # strategies depend on the mesh shape only: every search

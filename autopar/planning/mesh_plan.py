@@ -113,7 +113,7 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
             memory["rerun_buffer"] += index.rerun_buffer[q][choice] if q in index.rerun_buffer else 0
     out = index.node_of[OUTPUT]
     sink = index.strategies[out][solution.choice[out]]
-    memory["act"] += problem.node_memory[out][solution.choice[out]]  # the loss's fp32 copies (passes.node_memory)
+    memory["act"] += problem.node_memory[out][solution.choice[out]]  # the loss's copy and gradient (passes.node_memory)
     memory["act_kept"] += problem.node_memory[out][solution.choice[out]]
     outputs = () if all(is_replicated(spec) for spec in sink.inputs) else tuple(format_spec(s) for s in sink.inputs)
     sparse = sparse_tables(captured, nodes, parameters, mesh)

@@ -289,4 +289,4 @@ def _recompute_cost(stage_plans: list[Plan]) -> dict[str, float]:
         return {}
     return {"rerun_s": sum(c["rerun_s"] for c in costs),
             "activations_kept_bytes": max(c["activations_kept_bytes"] for c in costs),
-            "rerun_buffer_bytes": max(c.get("rerun_buffer_bytes", 0) for c in costs)}
+            "rerun_buffer_bytes": max(c["rerun_buffer_bytes"] for c in costs)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -130,7 +131,7 @@ def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> P
 
 
 def reshard(pmodel: ParallelModule, plan: Plan, *, model: nn.Module | None = None,
-            optimizer: "torch.optim.Optimizer | None" = None):
+            optimizer: torch.optim.Optimizer | None = None):
     """Switch a running ``pmodel`` to ``plan`` (another one-mesh plan of the same model and
     world, e.g. :func:`replan`'s answer) without a checkpoint: parameters, buffers and the
     ``optimizer``'s state move to the new placements (``DTensor.redistribute``), and the new

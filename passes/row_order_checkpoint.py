@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -37,9 +38,15 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from autopar.passes.runtime import ROW_ORDER_ATTR
 
-# on a marked local tensor: (the order it answers DCP in, its runs (first local row, chunk in the
-# model's order), the whole tensor's size)
-_ANSWERS = "_autopar_model_order"
+_ANSWERS = "_autopar_model_order"  # the attribute of a marked local tensor holding its _Answers
+
+
+class _Answers(NamedTuple):
+    """What a marked local tensor answers DCP with."""
+
+    order: list[int]  # the order its rows are stored in (slot j holds the model's row order[j])
+    runs: list[tuple[int, ChunkStorageMetadata]]  # (first local row, chunk in the model's order)
+    size: torch.Size  # the whole tensor's size
 
 
 def model_order_runs(value: DTensor, order: list[int]) -> list[tuple[int, ChunkStorageMetadata]]:
@@ -64,28 +71,28 @@ def mark_model_order(value: DTensor, order: list[int]) -> None:
     with torch.no_grad():
         local = value.to_local()  # the DTensor's own local tensor (no autograd wrapper)
     marked = getattr(local, _ANSWERS, None)
-    if marked is not None and marked[0] == order or not value.shape or value.shape[0] != len(order):
+    if marked is not None and marked.order == order or not value.shape or value.shape[0] != len(order):
         return
-    setattr(local, _ANSWERS, (list(order), model_order_runs(value, order), value.size()))
+    setattr(local, _ANSWERS, _Answers(list(order), model_order_runs(value, order), value.size()))
     for name, method in (("__create_write_items__", _create_write_items), ("__create_chunk_list__", _create_chunk_list),
                          ("__get_tensor_shard__", _get_tensor_shard)):
         setattr(local, name, types.MethodType(method, local))
 
 
 def _create_write_items(local: torch.Tensor, fqn: str, _obj) -> list[WriteItem]:
-    _order, runs, size = getattr(local, _ANSWERS)
+    answers: _Answers = getattr(local, _ANSWERS)
     properties = TensorProperties.create_from_tensor(local)
     return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                      tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=size))
-            for _start, chunk in runs]
+                      tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=answers.size))
+            for _start, chunk in answers.runs]
 
 
 def _create_chunk_list(local: torch.Tensor) -> list[ChunkStorageMetadata]:
-    return [chunk for _start, chunk in getattr(local, _ANSWERS)[1]]
+    return [chunk for _start, chunk in getattr(local, _ANSWERS).runs]
 
 
 def _get_tensor_shard(local: torch.Tensor, index: MetadataIndex) -> torch.Tensor:
-    for start, chunk in getattr(local, _ANSWERS)[1]:
+    for start, chunk in getattr(local, _ANSWERS).runs:
         if chunk.offsets == index.offset:
             return local.narrow(0, start, chunk.sizes[0])
     raise ValueError(f"{index.fqn}: no rows of this rank start at {tuple(index.offset)} in the model's order")

@@ -85,15 +85,23 @@ def test_a_given_3d_mesh_plans_with_the_outer_dim_as_data_parallel():
 def test_a_3d_mesh_plan_trains_like_one_process_on_eight_ranks():
     """GPT on a (2, 2, 2) mesh over 8 gloo processes, memory squeezed to force sharding, in
     float64 (so the comparison sees the plan, not fp32 rounding): outputs, loss, every
-    gradient and the parameters after 3 AdamW steps equal the single-process model's."""
+    gradient and the parameters after 3 AdamW steps equal the single-process model's.
+
+    One layer: the two-layer model's squeezed plan splits the batch over mesh dims 0 and 2,
+    and DTensor's first backward then costs about 85 s of CPU per rank (its sharding
+    propagation searches redistributions of ``_StridedShard`` views; docs/training.md, "The
+    first step on a 3-D mesh"): 6 minutes of CI on 8 processes, spent inside torch."""
     from distributed import run_world
     from equivalence import run_cases
 
-    case = ("GPT", {"layers": 2}, "tokens", 8, {"cluster": "8xH100", "memory_fraction": 0.5,
+    case = ("GPT", {"layers": 1}, "tokens", 8, {"cluster": "8xH100", "memory_fraction": 0.5,
                                                  "mesh_shape": (2, 2, 2)}, "float64")
     (errors,) = run_world(8, run_cases, [case])
     assert max(errors[k] for k in ("output", "loss", "grad", "param", "param_flat")) < 1e-10, errors
-    assert any("Shard" in p for p in errors["placements"]), errors  # sharded, not a replicated plan
+    # weights split along each of the three mesh dims (by different parameters): a 3-D plan
+    split_dims = {dim for p in errors["placements"] for dim, placement in enumerate(p.strip("()").split(", "))
+                  if placement.startswith("Shard")}
+    assert split_dims == {0, 1, 2}, errors["placements"]
 
 
 def test_the_cli_pins_a_3d_mesh_and_refuses_malformed_ones(capsys):

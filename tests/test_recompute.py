@@ -111,7 +111,8 @@ def _held_bytes(mode: str) -> dict:
     pmodel.step(x, target=target)  # the first step settles what every step reuses
     held = held_for_backward(pmodel, x, target=target)
     plan = pmodel.plan
-    output_gradient = 8 * 16 * 64 * (2 if precision else 4) // (2 if plan.outputs else 1)
+    logits = x.numel() * model.head.out_features  # the outputs: (batch, positions, vocabulary)
+    output_gradient = logits * (2 if precision else 4) // (2 if plan.outputs else 1)
     return {"measured": held, "checkpointed": pmodel.code.count("checkpointed("),
             "predicted": plan.memory.activations_bytes - plan.recompute_cost.get("rerun_buffer_bytes", 0)
             - output_gradient}

@@ -55,9 +55,11 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or ``"bf16"``,
     ``"fp16"``, ``"fp32"``) with FSDP2's meaning: compute, activations and weight gathers in
     ``param_dtype``, fp32 master weights, gradients and optimizer states.
-    ``recompute``: activation checkpointing — ``"auto"`` recomputes every layer in backward
-    (``torch.utils.checkpoint``) only when no plan keeping every activation fits, ``"full"``
-    always, ``"none"`` never.
+    ``recompute``: activation checkpointing (``torch.utils.checkpoint``) — ``"none"``;
+    ``"selective"`` (every layer's cheap ops rerun, matmul and attention outputs kept);
+    ``"full"`` (every layer rerun whole); ``"full:N"`` (every N-th layer rerun whole, as
+    torchtitan's layer-wise option N); ``"auto"``: the first of none, selective, full:2, full
+    whose plan fits in memory.
     ``overlap``: cost each layer's parameter collectives (weight gathers prefetched, gradient
     reductions during backward) as hidden behind its compute, for the fraction the device
     reaches (its ``overlap_efficiency``: 0.9 for GPUs, 0 for the uncalibrated ``cpu``; ``autopar

@@ -12,7 +12,7 @@ import os
 import sys
 
 from autopar.cli_args import (HintingParser, attach_dash_values, batch_sizes, memory_bytes, mesh_shape,
-                              rows_per_region, subparsers, value_options)
+                              recompute_mode, rows_per_region, subparsers, value_options)
 from autopar.cli_commands import (cmd_checkpoint, cmd_devices, cmd_diff, cmd_explain, cmd_plan, cmd_profile,
                                   cmd_replan, cmd_show, cmd_validate)
 from autopar.errors import AutoparError, ErrorKind, first_line
@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=memory_bytes, help="bytes per device: 8e9, 80GB or 80GiB")
     p.add_argument("--solver", default="cpsat")
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--recompute", choices=("auto", "none", "selective", "full"), default="auto",
-                   help="activation checkpointing of every layer (selective: cheap ops only); auto: the first of "
-                        "none, selective, full that fits")
+    p.add_argument("--recompute", type=recompute_mode, default="auto",
+                   help="activation checkpointing: none, selective (every layer's cheap ops), full (every layer "
+                        "whole), full:N (every N-th layer whole); auto: the first of none, selective, full:2, full "
+                        "that fits")
     p.add_argument("--no-overlap", action="store_true",
                    help="cost every collective on the critical path (by default a layer's weight gathers and "
                         "gradient reductions hide behind its compute, as far as the device overlaps)")

@@ -17,6 +17,8 @@ import argparse
 import difflib
 import re
 
+from autopar.passes.layer_recompute import is_recompute_mode
+
 _BYTE_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
                "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 _WITH_UNIT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?inf|nan)\s*([A-Za-z]*)\s*$")
@@ -65,6 +67,14 @@ def mesh_shape(text: str) -> tuple[int, ...]:
     if any(d < 1 for d in shape) or len(shape) > 3:
         raise argparse.ArgumentTypeError(f"a mesh has 1 to 3 dims of 1 or more devices each, got {text!r}")
     return shape
+
+
+def recompute_mode(text: str) -> str:
+    """``--recompute``: auto, none, selective, full, or full:N (every N-th layer, N ≥ 2)."""
+    if text != "auto" and not is_recompute_mode(text):
+        raise argparse.ArgumentTypeError(f"choose auto, none, selective, full or full:N (every N-th layer recomputed "
+                                         f"whole, N ≥ 2), got {text!r}")
+    return text
 
 
 def attach_dash_values(argv: list[str], value_options: set[str]) -> list[str]:

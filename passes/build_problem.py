@@ -38,6 +38,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.context_parallel import causal_imbalance, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
 from autopar.passes.expert_dispatch import add_expert_dispatch
+from autopar.passes.layer_recompute import recomputed_layers
 from autopar.passes.memory import SAVED_KEY
 from autopar.passes.problem_edges import edge_args, follows, make_edge, tensor_index
 from autopar.passes.node_memory import (
@@ -99,7 +100,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     every layer is checkpointed whole (passes.recompute): its nodes run forward twice and keep only
     what leaves the layer, plus, counted once, the activations of one layer while it reruns;
     ``"selective"``: the same, except that matmul and attention outputs are kept and not
-    recomputed (torchtitan's op-level selective checkpointing). ``zero``: parameters may also
+    recomputed (torchtitan's op-level selective checkpointing); ``"full:N"``: every N-th layer
+    checkpointed whole, the others keep their activations (passes.layer_recompute; a node
+    standing for copies in several layers is charged the share of them recomputed). ``zero``: parameters may also
     take ZeRO-2 twins (:func:`passes.node_memory.zero_twins`). ``loss_on_outputs``: the outputs feed the
     training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
     their batch dim (dim 0) where the work was, and the loss's fp32 copies of them are counted
@@ -121,14 +124,13 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     own_comm, forward_compute, node_group, group_of = [], [], [], {}  # overlap (autopar.problem)
     parameter_memory: dict[int, list[ParameterBytes]] = {}
-    recomputed: dict[int, tuple[list[int], list[int], bool]] = {}
+    recomputed: dict[int, tuple[list[int], list[int], bool, float]] = {}
     kept_without_recompute: dict[int, list[int]] = {}
     rerun_s: dict[int, list[float]] = {}
     rerun_buffer: dict[int, list[int]] = {}
-    first_layer: dict[str, str] = {}  # ModuleList -> its first layer (the rerun buffer is counted on it)
-    if recompute:
-        for layer in layer_order(graph):
-            first_layer.setdefault(layer.rsplit(".", 1)[0], layer)
+    checkpointed = recomputed_layers(layer_order(graph), recompute)
+    buffered = _rerun_buffer_layers(layer_order(graph), checkpointed)
+    copy_layers = _copy_layers(graph, repeated) if checkpointed else {}
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]
 
@@ -161,31 +163,37 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         elif node.op == "call_function":
             kind, options = "op", node.meta[STRATEGIES_KEY]
             op_cost = node.meta[COST_KEY]
-            layer = node_layer(node) if recompute else None  # a layer run again in backward
-            stored = layer is not None and recompute == "selective" and op_cost.op_class in SAVED_CLASSES
-            rerun = layer is not None and not stored
+            # the layers this node stands for (its own, and its copies' where it represents them),
+            # and the share of them run again in backward
+            layers = [node_layer(node), *copy_layers.get(node.name, ())] if checkpointed else []
+            share = sum(layer in checkpointed for layer in layers) / len(layers) if layers else 0.0
+            stored = share > 0 and recompute == "selective" and op_cost.op_class in SAVED_CLASSES
+            rerun = share if not stored else 0.0
             factor = (3 if node.name in grad_nodes else 1) + rerun
             timed = node.meta[SYMBOLIC_COST_KEY] if symbolic else op_cost
             forward = [timed.time_s(device, work_split(s, mesh.shape) * causal_imbalance(node, s, mesh.shape))
                        for s in options]
             exchange = [exchange_s(node, s, mesh, device) for s in options]
             if rerun and node.target is FUSED_ATTENTION:  # recomputed: its forward gathers run again
-                exchange = [x + kv_exchange_s(node, s, mesh, forward_only=True) for x, s in zip(exchange, options)]
+                exchange = [x + rerun * kv_exchange_s(node, s, mesh, forward_only=True)
+                            for x, s in zip(exchange, options)]
             cost = [factor * f + x for f, x in zip(forward, exchange)]
             group = group_of.setdefault(node_layer(node) or "", len(group_of))
             if rerun:
-                rerun_s[len(names)] = forward
+                rerun_s[len(names)] = [rerun * f for f in forward]
             saved = node.meta[SAVED_KEY]
             mem = [0 if op_cost.is_view else kept_bytes(node, s, saved, mesh.shape, activation_copies)
                    + gathered_kv_bytes(node, s, mesh.shape, activation_copies) for s in options]
             if stored:  # selective: the checkpoint caches matmul and attention outputs, all of them
                 cached = [0 if op_cost.is_view else output_bytes(node, s, mesh.shape, activation_copies)
                           + gathered_kv_bytes(node, s, mesh.shape, activation_copies) for s in options]
-                recomputed[len(names)] = (cached, mem, False)
-            elif layer is not None:  # keeps what leaves the layer; one layer's activations while it reruns
+                recomputed[len(names)] = (cached, mem, False, 1.0)
+            elif rerun:  # keeps what leaves the layer; one layer's activations while it reruns
+                layer = layers[0]
                 leaves = [0 if op_cost.is_view else leaving_bytes(node, s, layer, mesh.shape, activation_copies)
                           for s in options]
-                recomputed[len(names)] = (leaves, mem, layer == first_layer.get(layer.rsplit(".", 1)[0]))
+                buffer = any(other and buffered.get(other.rsplit(".", 1)[0]) == other for other in layers)
+                recomputed[len(names)] = (leaves, mem, buffer, rerun)
         else:
             continue
         position[node.name] = len(names)
@@ -202,11 +210,13 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     for name, rep in repeated.items():
         position[name] = position[rep]
         counts[position[rep]] += 1
-    for q, (leaves, whole, buffer) in recomputed.items():  # one layer's worth, over its copies
+    for q, (leaves, whole, buffer, share) in recomputed.items():  # one layer's worth, over its copies
         kept_without_recompute[q] = whole
         if buffer:
             rerun_buffer[q] = [full // counts[q] for full in whole]
-        memory[q] = [kept + extra for kept, extra in zip(leaves, rerun_buffer.get(q, [0] * len(leaves)))]
+        memory[q] = [kept if share == 1.0 else round(share * kept + (1 - share) * full)
+                     for kept, full in zip(leaves, whole)]
+        memory[q] = [held + extra for held, extra in zip(memory[q], rerun_buffer.get(q, [0] * len(leaves)))]
 
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]
@@ -293,6 +303,29 @@ def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[t
         if all(evenly_sharded(v.shape, combo, mesh_shape) for v in vals):
             options.append(Strategy((), tuple(tuple(combo) for _ in out_args)))
     return options
+
+
+def _rerun_buffer_layers(layers: list[str], checkpointed: dict[str, str]) -> dict[str, str]:
+    """ModuleList -> the recomputed layer whose nodes count, once, the activations of one layer
+    while it reruns in backward: only where the list's last layer is recomputed. Backward meets
+    the highest recomputed layer first; a kept layer above it has by then freed its whole
+    activations (as large as the rerun's), so the rerun adds nothing to the peak there."""
+    members: dict[str, list[str]] = {}
+    for layer in layers:
+        members.setdefault(layer.rsplit(".", 1)[0], []).append(layer)
+    return {parent: next(layer for layer in listed if layer in checkpointed)
+            for parent, listed in members.items() if listed[-1] in checkpointed}
+
+
+def _copy_layers(graph: torch.fx.Graph, repeated: dict[str, str]) -> dict[str, list[str | None]]:
+    """Representative node -> the layers of the copies it stands for (passes.layers folds
+    repeated layers onto one): what a mode recomputing only some layers charges it."""
+    copies: dict[str, list[str | None]] = {}
+    if repeated:
+        for node in graph.nodes:
+            if node.name in repeated:
+                copies.setdefault(repeated[node.name], []).append(node_layer(node))
+    return copies
 
 
 def _master_grad_bytes(captured: Captured, producer: torch.fx.Node, out_index: int, nbytes):

@@ -8,7 +8,8 @@ import pytest
 MODULES = ["autopar.cluster", "autopar.mesh", "autopar.comm", "autopar.units", "autopar.errors",
            "autopar.problem", "autopar.plan", "autopar.devices", "autopar.profile_collectives", "autopar.planning.replicas",
            "autopar.planning.options", "autopar.solvers.pipeline", "autopar.solvers.balance",
-           "autopar.solvers.formulation", "autopar.cli_args", "autopar.plan_types", "autopar.plan_io"]
+           "autopar.solvers.formulation", "autopar.cli_args", "autopar.plan_types", "autopar.plan_io",
+           "autopar.passes.layer_recompute"]
 
 
 @pytest.mark.parametrize("name", MODULES)

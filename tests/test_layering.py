@@ -11,7 +11,7 @@ Bottom to top, each layer and what it may import from the project:
   analysis  autopar.passes (the package) and its           types, ops, analysis; no ortools
             capture, context_parallel, cost, decompose,
             embedding_bag, expert_dispatch, expert_order, experts,
-            layers, memory, build_problem, sparse,
+            layers, layer_recompute, memory, build_problem, sparse,
             stack_experts, stages, strategies,
             symbolic, values
   solvers   autopar.solvers, autopar.solvers.*             types, solvers; no torch
@@ -58,7 +58,7 @@ TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "clus
                                   "plan_types", "plan_io", "problem", "placements", "files")}
 OPS = {"autopar.passes.dtensor_ops", "autopar.passes.expert_mm", "autopar.passes.bag_pooling"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
-    "capture", "context_parallel", "cost", "decompose", "embedding_bag", "graph_edit", "expert_dispatch", "expert_order", "experts", "grouped_experts", "layers", "memory",
+    "capture", "context_parallel", "cost", "decompose", "embedding_bag", "graph_edit", "expert_dispatch", "expert_order", "experts", "grouped_experts", "layers", "layer_recompute", "memory",
     "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sparse", "stack_experts", "stages", "strategies", "symbolic",
     "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",

@@ -18,10 +18,12 @@ from autopar.planning.options import PlanOptions
 from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.cost import annotate_costs
+from autopar.passes.layer_recompute import recompute_mode
 from autopar.passes.memory import annotate_saved
 from autopar.passes.build_problem import ProblemIndex, annotate_strategies, build_problem
 from autopar.passes.strategy_exchanges import strategy_exchange_s, table_wise_by_owners
 from autopar.passes.reshard_cost import unit_links
+from autopar.passes.stages import layer_order
 from autopar.passes.symbolic import BATCH, annotate_symbolic, formula
 
 
@@ -70,8 +72,12 @@ def planned_problem(captured: Captured, plan: Plan, cluster: Cluster, mesh: Mesh
     annotate_costs(captured.graph)
     annotate_saved(captured.graph)
     annotate_strategies(captured, mesh.shape)
+    try:
+        recompute = recompute_mode(layer_order(captured.graph), plan.recompute)
+    except ValueError as exc:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"{exc}; re-plan") from None
     problem, index = build_problem(captured, mesh, cluster.device, cluster.memory_limit_bytes, optimizer,
-                                   symbolic=symbolic, recompute=next(iter(plan.recompute.values()), None),
+                                   symbolic=symbolic, recompute=recompute,
                                    loss_on_outputs=True,
                                    **PlanOptions.of_plan(plan).problem_overlap(cluster.device))
     return problem, index, plan_choice(captured, plan, index, f"mesh {list(mesh.shape)} of {cluster.describe()}")

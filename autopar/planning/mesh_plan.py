@@ -17,6 +17,7 @@ from autopar.planning.options import PlanOptions
 from autopar.planning.sections import expert_layers, sparse_tables
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
+from autopar.passes.layer_recompute import recomputed_layers
 from autopar.passes.stages import layer_order, node_layer
 from autopar.passes.cost import tensor_bytes
 from autopar.passes.build_problem import OUTPUT, ProblemIndex
@@ -142,11 +143,10 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
                 "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
                 "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
-        recompute=dict.fromkeys(layer_order(captured.graph), options.recompute)
-        if options.recompute in ("full", "selective") else {},
+        recompute=recomputed_layers(layer_order(captured.graph), options.recompute),
         recompute_cost={"rerun_s": memory["rerun_s"], "activations_kept_bytes": memory["act_kept"],
                         "rerun_buffer_bytes": memory["rerun_buffer"]}
-        if options.recompute in ("full", "selective") else {},
+        if recomputed_layers(layer_order(captured.graph), options.recompute) else {},
         experts=experts, comm_bytes=sent, timings=timings, outputs=outputs,
         overlap=_overlap_summary(problem, index, solution.choice),
     )

@@ -57,8 +57,9 @@ class OneMesh:
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """The best plan keeping every activation; when none fits (``recompute="auto"``), the
-        best recomputing the cheap ops of every layer (selective), and then whole layers (full):
-        the memory each frees costs more forward work, so the first that fits is the fastest.
+        best recomputing the cheap ops of every layer (selective), then every other layer whole
+        (full:2), then every layer whole (full): each reruns more forward work, so the first
+        that fits is taken as the fastest.
         When the plan keeping everything fills most of memory (:data:`MEMORY_BOUND`), memory
         may have made it shard or move more than it would otherwise: the selective plan is
         made too, and the faster of the two wins."""
@@ -81,8 +82,8 @@ class OneMesh:
                     raise
                 return kept
             return selective if selective.predicted_step_s < kept.predicted_step_s else kept
-        for mode in ("selective", "full"):
-            log.info("no plan fits: trying with every layer recomputed (%s)", mode)
+        for mode in ("selective", "full:2", "full"):
+            log.info("no plan fits: trying with layers recomputed (%s)", mode)
             try:
                 return mesh_search(graphs, cluster, dataclasses.replace(options, recompute=mode)).best()
             except AutoparError as exc:
@@ -159,7 +160,7 @@ class MeshSearch:
     def _problem(self, mesh: MeshSpec, tables_whole: bool = False):
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
-                             recompute=self.options.recompute if self.options.recompute in ("full", "selective") else None,
+                             recompute=self.options.recompute if self.options.recompute != "auto" else None,
                              loss_on_outputs=self.loss_on_outputs,
                              **self.options.problem_overlap(self.cluster.device))
 

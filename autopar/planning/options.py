@@ -21,12 +21,13 @@ from autopar.devices import MAX_DEVICES
 from autopar.errors import AutoparError, ErrorKind
 from autopar.planning.precision import Precision
 from autopar.plan_types import PIPELINE_SCHEDULES
+from autopar.passes.layer_recompute import is_recompute_mode
 from autopar.passes.node_memory import OPTIMIZER_STATES
 from autopar.solvers.baselines import CONFIGURATIONS
 
 SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or an interleaved schedule, the fastest
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0  # a solver budget beyond a week is a typo (OR-Tools holds it in int64 ms)
-RECOMPUTE = ("auto", "none", "selective", "full")
+RECOMPUTE = ("auto", "none", "selective", "full", "full:N")  # full:N — every N-th layer (N ≥ 2)
 # hand-written configurations a person would write: costed beside every plan
 
 
@@ -52,7 +53,8 @@ class PlanOptions:
     symbolic: bool = False
     mixed_precision: Precision | None = None  # checked by Precision.of where the user's value comes in
     # "none"; "selective" (every layer's cheap ops recomputed, matmuls and attention kept);
-    # "full" (every layer recomputed whole); "auto": the first of none, selective, full that fits
+    # "full" (every layer recomputed whole); "full:N" (every N-th layer recomputed whole);
+    # "auto": the first of none, selective, full:2, full that fits
     recompute: str = "auto"
     # communication overlapped with compute where the device can (DeviceSpec.overlap_efficiency):
     # parameters' gathers and gradient reductions hide behind each layer's compute (issue 20)
@@ -83,7 +85,7 @@ class PlanOptions:
         if self.mixed_precision is not None and not isinstance(self.mixed_precision, Precision):
             raise AutoparError(ErrorKind.BAD_INPUT, "PlanOptions.mixed_precision takes a Precision; convert the "
                                "user's policy with Precision.of(policy)")
-        if self.recompute not in RECOMPUTE:
+        if self.recompute != "auto" and not is_recompute_mode(self.recompute):
             raise AutoparError(ErrorKind.BAD_INPUT, f"unknown recompute {self.recompute!r}; choose one of "
                                f"{', '.join(RECOMPUTE)}")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and 0 < self.bucket_cap_mb < float("inf")):

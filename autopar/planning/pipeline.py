@@ -28,6 +28,7 @@ from autopar.planning.schedules import Layout, schedule_layouts
 from autopar.planning.stage_costs import StageCosts
 from autopar.units import format_bytes
 from autopar.passes.capture import Captured, leading_batch
+from autopar.passes.layer_recompute import recompute_mode
 from autopar.passes.stages import layer_order
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def first_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Pla
     until one fits in memory: keeping every activation is fastest, recomputing the cheap ops
     of every layer (selective) frees memory for a little more forward work, whole layers
     (full) the most."""
-    modes = RECOMPUTE_MODES[options.recompute]
+    modes = RECOMPUTE_MODES.get(options.recompute, (options.recompute,))  # full:N in each stage
     for mode in modes[:-1]:
         try:
             return plan_with(dataclasses.replace(options, recompute=mode))
@@ -167,6 +168,17 @@ class PipelineStages:
         return ParallelModule(merged_module(modules), plan, loss_fn, runtime, pieces=modules)
 
 
+def _stages_recompute(plan: Plan) -> str:
+    """The recompute mode ``plan``'s stages were planned with: each applies it to its own layers
+    (under "full:N", the N-th, 2N-th, … of the stage), so it is read back stage by stage."""
+    modes = {recompute_mode(st.layers, {layer: plan.recompute[layer] for layer in st.layers if layer in plan.recompute})
+             for st in plan.stages} - {"none"}
+    if len(modes) > 1:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"its stages recompute their layers differently ({sorted(modes)}); "
+                           "re-plan")
+    return next(iter(modes), "none")
+
+
 def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) -> float:
     """``plan``'s step on ``cluster`` (a link changed, say): its stage cuts, micro-batches and
     schedule kept, each stage planned on its group of ``cluster`` as the search plans it (a
@@ -182,7 +194,7 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     groups = cluster.groups()
     m = plan.micro_batches
     layout = Layout(plan.schedule or "1F1B", len(groups), plan.virtual_stages)
-    options = dataclasses.replace(options, recompute=next(iter(plan.recompute.values()), "none"),
+    options = dataclasses.replace(options, recompute=_stages_recompute(plan),
                                   schedule=layout.schedule)
     stages = StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options)
     layers = [layer for st in plan.stages for layer in st.layers]

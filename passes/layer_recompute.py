@@ -1,0 +1,56 @@
+"""Which layers a recompute mode checkpoints: the one reading of a mode that the problem
+builder (what it costs), the plan (``plan.recompute``) and re-costing share.
+
+Modes: ``"none"``; ``"selective"`` (every layer, matmul and attention outputs kept);
+``"full"`` (every layer recomputed whole); ``"full:N"`` (every N-th layer recomputed whole,
+the others keep their activations: torchtitan's layer-wise selective checkpointing,
+``selective_ac_option = "N"``, which wraps the N-th, 2N-th, … block it meets).
+
+>>> recomputed_layers(["blocks.0", "blocks.1", "blocks.2", "blocks.3"], "full:2")
+{'blocks.1': 'full', 'blocks.3': 'full'}
+>>> recompute_mode(["blocks.0", "blocks.1", "blocks.2", "blocks.3"], {'blocks.1': 'full', 'blocks.3': 'full'})
+'full:2'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+WHOLE_MODES = ("none", "selective", "full")  # modes that treat every layer alike
+
+
+def layer_period(mode: str) -> int | None:
+    """N of ``"full:N"`` (an integer ≥ 2), None for any other string."""
+    head, _, tail = mode.partition(":")
+    if head != "full" or not tail.isdigit() or int(tail) < 2:
+        return None
+    return int(tail)
+
+
+def is_recompute_mode(mode: object) -> bool:
+    """A mode the planner can cost and lowering can run (``"auto"`` is not: it picks one)."""
+    return isinstance(mode, str) and (mode in WHOLE_MODES or layer_period(mode) is not None)
+
+
+def recomputed_layers(layers: Sequence[str], mode: str | None) -> dict[str, str]:
+    """layer -> how it is recomputed ("full" or "selective") under ``mode``, for the layers
+    (in the order the model runs them) that are; empty for "none", "auto" or None."""
+    if mode in ("selective", "full"):
+        return dict.fromkeys(layers, mode)
+    period = layer_period(mode or "")
+    if period is None:
+        return {}
+    return {layer: "full" for k, layer in enumerate(layers) if (k + 1) % period == 0}
+
+
+def recompute_mode(layers: Sequence[str], recomputed: dict[str, str]) -> str:
+    """The mode whose :func:`recomputed_layers` is ``recomputed`` (a plan's record read back)."""
+    if not recomputed:
+        return "none"
+    for mode in ("selective", "full"):
+        if recomputed == recomputed_layers(layers, mode):
+            return mode
+    for period in range(2, len(layers) + 1):
+        if recomputed == recomputed_layers(layers, f"full:{period}"):
+            return f"full:{period}"
+    raise ValueError(f"layers recomputed as {recomputed} follow no recompute mode over {list(layers)}")

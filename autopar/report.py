@@ -8,6 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
+from autopar.passes.layer_recompute import recompute_mode
 from autopar.placements import Shard, is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
 from autopar.plan_types import ATTENTION_SEQUENCE_DIM, SPLIT_BACKWARD_SCHEDULES
@@ -193,6 +194,25 @@ def throughput_line(plan: Plan) -> str:
             f"({plan.work['flops_per_step']:.3g} FLOPs per step in {plan.work['flops_dtype']})")
 
 
+def _plan_layers(plan: Plan) -> list[str]:
+    """The model's layers, in the order the plan's nodes run them."""
+    return list(dict.fromkeys(node.layer for node in plan.nodes.values() if node.layer))
+
+
+def recompute_label(plan: Plan) -> str:
+    """The recompute mode and how many layers it reruns: "none", "full (80 layers)",
+    "full:2 (40 of 80 layers)" (the benchmarks' tables)."""
+    if not plan.recompute:
+        return "none"
+    layers = _plan_layers(plan)
+    try:
+        mode = recompute_mode(layers, plan.recompute)
+    except ValueError:  # a pipeline's stages count their N-th layers each
+        mode = next(iter(plan.recompute.values()))
+    of = f" of {len(layers)}" if len(plan.recompute) < len(layers) else ""
+    return f"{mode} ({len(plan.recompute)}{of} layers)"
+
+
 def recompute_line(plan: Plan) -> str:
     """Which layers run their forward again in backward (activation checkpointing)."""
     if not plan.recompute:
@@ -201,7 +221,9 @@ def recompute_line(plan: Plan) -> str:
     named = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} … {layers[-1]}"
     mode = next(iter(plan.recompute.values()))
     what = "whole" if mode == "full" else "but their matmul and attention outputs"
-    line = f"recompute ({mode}): {len(layers)} layers ({named}) rerun in backward, {what}"
+    every = len(_plan_layers(plan))
+    of = f" of {every}" if len(layers) < every else ""
+    line = f"recompute ({mode}): {len(layers)}{of} layers ({named}) rerun in backward, {what}"
     cost = plan.recompute_cost
     if cost:
         line += (f"; costs {format_seconds(cost['rerun_s'])} of forward a step, keeps "

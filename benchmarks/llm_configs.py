@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import zoo  # noqa: E402,F401  (declares the torchvision ops transformers' import needs)
 
 import autopar  # noqa: E402
-from autopar.report import throughput  # noqa: E402
+from autopar.report import recompute_label, throughput  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, kv heads, ffn, vocab
     "llama3-8b": (4096, 32, 32, 8, 14336, 128256),
@@ -93,8 +93,7 @@ def run(name: str) -> list[dict]:
                                 time_limit_s=120, **extra)
             rates = throughput(plan)
             row.update(feasible=True, mesh=list(plan.mesh_shape), placements=summary(plan),
-                       recompute=f"{next(iter(plan.recompute.values()))} ({len(plan.recompute)} layers)"
-                       if plan.recompute else "none",
+                       recompute=recompute_label(plan),
                        memory_gib=round(plan.memory.total_bytes / 2 ** 30, 2),
                        tokens_per_s_per_gpu=round(rates["tokens_per_s_per_device"] or 0),
                        mfu=round(100 * rates["predicted_mfu"], 1), step_s=round(plan.predicted_step_s, 3))

@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 from llm_configs import SHAPES, build, summary  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.report import mesh_dim_roles, throughput  # noqa: E402
+from autopar.report import mesh_dim_roles, recompute_label, throughput  # noqa: E402
 
 SHAPES.setdefault("llama3.1-405b", (16384, 126, 128, 8, 53248, 128256))
 
@@ -52,8 +52,7 @@ def _row(plan, start: float) -> dict:
         "feasible": True, "mesh": list(plan.mesh_shape), "roles": mesh_dim_roles(plan),
         "stages": len(plan.stages), "schedule": plan.schedule, "micro_batches": plan.micro_batches,
         "virtual_stages": plan.virtual_stages,
-        "recompute": (f"{next(iter(plan.recompute.values()))} ({len(plan.recompute)} layers)"
-                      if plan.recompute else "none"),
+        "recompute": recompute_label(plan),
         "placements": summary(plan),
         "memory_gib": round(plan.memory.total_bytes / 2 ** 30, 2),
         "tokens_per_s_per_gpu": round(rates["tokens_per_s_per_device"] or 0),

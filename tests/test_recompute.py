@@ -66,6 +66,10 @@ def test_every_other_layer_recomputed_sits_between_keeping_and_recomputing_every
     for mode, plan in plans.items():
         again = autopar.Plan.from_json(plan.to_json())
         assert recompute_mode(layers, again.recompute) == mode
+    from autopar.report import recompute_label, recompute_line
+
+    assert recompute_label(plans["full:2"]) == "full:2 (2 of 4 layers)" and recompute_label(plans["full"]) == "full (4 layers)"
+    assert "recompute (full): 2 of 4 layers (blocks.1, blocks.3) rerun in backward, whole" in recompute_line(plans["full:2"])
     with pytest.raises(AutoparError, match="unknown recompute 'full:1'"):
         autopar.plan(model, (x,), cluster="2xH100", recompute="full:1")
 

@@ -102,9 +102,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     ``"selective"``: the same, except that matmul and attention outputs are kept and not
     recomputed (torchtitan's op-level selective checkpointing); ``"full:N"``: every N-th layer
     checkpointed whole, the others keep their activations (passes.layer_recompute; a node
-    standing for copies in several layers is charged the share of them recomputed). ``zero``: parameters may also
-    take ZeRO-2 twins (:func:`passes.node_memory.zero_twins`). ``loss_on_outputs``: the outputs feed the
-    training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
+    standing for copies in several layers is charged the share of them recomputed), the rerun
+    buffer counted only where a list's last layer reruns. ``zero``: parameters may also take
+    ZeRO-2 twins (:func:`passes.node_memory.zero_twins`). ``loss_on_outputs``: the outputs feed
+    the training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
     their batch dim (dim 0) where the work was, and the loss's fp32 copies of them are counted
     (passes.node_memory.loss_bytes); else they are gathered whole and nothing is counted for them
     (a pipeline stage sends them on). ``overlap_efficiency`` and ``collective_overlap`` (η per
@@ -128,8 +129,9 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     kept_without_recompute: dict[int, list[int]] = {}
     rerun_s: dict[int, list[float]] = {}
     rerun_buffer: dict[int, list[int]] = {}
-    checkpointed = recomputed_layers(layer_order(graph), recompute)
-    buffered = _rerun_buffer_layers(layer_order(graph), checkpointed)
+    ordered_layers = layer_order(graph)
+    checkpointed = recomputed_layers(ordered_layers, recompute)
+    buffered = _rerun_buffer_layers(ordered_layers, checkpointed)
     copy_layers = _copy_layers(graph, repeated) if checkpointed else {}
     position: dict[str, int] = {}
     states = OPTIMIZER_STATES[optimizer]

@@ -8,7 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.passes.layer_recompute import recompute_mode
+from autopar.passes.layer_recompute import recorded_mode
 from autopar.placements import Shard, is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
 from autopar.plan_types import ATTENTION_SEQUENCE_DIM, SPLIT_BACKWARD_SCHEDULES
@@ -205,9 +205,9 @@ def recompute_label(plan: Plan) -> str:
     if not plan.recompute:
         return "none"
     layers = _plan_layers(plan)
-    try:
-        mode = recompute_mode(layers, plan.recompute)
-    except ValueError:  # a pipeline's stages count their N-th layers each
+    try:  # a pipeline's stages count their N-th layers each
+        mode = recorded_mode([st.layers for st in plan.stages] if plan.stages else [layers], plan.recompute)
+    except ValueError:  # a record no mode gives (edited by hand): show what it says
         mode = next(iter(plan.recompute.values()))
     of = f" of {len(layers)}" if len(plan.recompute) < len(layers) else ""
     return f"{mode} ({len(plan.recompute)}{of} layers)"

@@ -216,9 +216,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
         kept_without_recompute[q] = whole
         if buffer:
             rerun_buffer[q] = [full // counts[q] for full in whole]
-        memory[q] = [kept if share == 1.0 else round(share * kept + (1 - share) * full)
-                     for kept, full in zip(leaves, whole)]
-        memory[q] = [held + extra for held, extra in zip(memory[q], rerun_buffer.get(q, [0] * len(leaves)))]
+        memory[q] = [(kept if share == 1.0 else round(share * kept + (1 - share) * full)) + extra
+                     for kept, full, extra in zip(leaves, whole, rerun_buffer.get(q, [0] * len(leaves)))]
 
     out_node = graph.output_node()
     out_args = [a for a in torch.utils._pytree.tree_flatten(out_node.args)[0]

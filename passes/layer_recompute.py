@@ -54,3 +54,15 @@ def recompute_mode(layers: Sequence[str], recomputed: dict[str, str]) -> str:
         if recomputed == recomputed_layers(layers, f"full:{period}"):
             return f"full:{period}"
     raise ValueError(f"layers recomputed as {recomputed} follow no recompute mode over {list(layers)}")
+
+
+def recorded_mode(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, str]) -> str:
+    """The mode a plan's record ``recomputed`` was made with, where each group of layers applied
+    it to its own layers (a one-mesh plan: one group; a pipeline: each stage's layers, so under
+    "full:N" the N-th, 2N-th, … of each stage). ValueError where a group follows no mode or the
+    groups disagree."""
+    modes = {recompute_mode(group, {layer: recomputed[layer] for layer in group if layer in recomputed})
+             for group in layer_groups} - {"none"}
+    if len(modes) > 1:
+        raise ValueError(f"its layer groups recompute differently ({sorted(modes)})")
+    return next(iter(modes), "none")

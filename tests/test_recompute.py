@@ -100,6 +100,9 @@ def test_pipeline_stages_recompute_every_nth_layer_of_their_own():
     expected = {layer: "full" for st in plan.stages for k, layer in enumerate(st.layers) if k % 2 == 1}
     assert plan.recompute == expected and expected
     assert _stages_recompute(plan) == "full:2"
+    from autopar.report import recompute_label
+
+    assert recompute_label(plan).startswith("full:2 ("), recompute_label(plan)
     assert autopar.replan(plan, str(CLUSTERS / "four_cpu_regions.yaml")).plan.predicted_step_s > 0
 
 

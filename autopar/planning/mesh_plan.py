@@ -124,6 +124,7 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
     compute_total = problem.compute(solution.choice) - communication
     communication += problem.edge_comm(solution.choice)
     step_s = step_s if step_s is not None else solution.objective_s
+    recomputed = recomputed_layers(layer_order(captured.graph), options.recompute)
     return Plan(
         fingerprint=captured.fingerprint,
         cluster=cluster.plan_header(),
@@ -143,10 +144,10 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
                 "distinct_nodes": problem.num_nodes, "edges": len(index.edge_of),
                 "distinct_edges": len(problem.edges)},
         mesh_candidates=tuple(candidates), options=options.recorded(), baselines=baselines, sparse=sparse,
-        recompute=recomputed_layers(layer_order(captured.graph), options.recompute),
+        recompute=recomputed,
         recompute_cost={"rerun_s": memory["rerun_s"], "activations_kept_bytes": memory["act_kept"],
                         "rerun_buffer_bytes": memory["rerun_buffer"]}
-        if recomputed_layers(layer_order(captured.graph), options.recompute) else {},
+        if recomputed else {},
         experts=experts, comm_bytes=sent, timings=timings, outputs=outputs,
         overlap=_overlap_summary(problem, index, solution.choice),
     )

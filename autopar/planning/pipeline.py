@@ -28,7 +28,7 @@ from autopar.planning.schedules import Layout, schedule_layouts
 from autopar.planning.stage_costs import StageCosts
 from autopar.units import format_bytes
 from autopar.passes.capture import Captured, leading_batch
-from autopar.passes.layer_recompute import recompute_mode
+from autopar.passes.layer_recompute import recorded_mode
 from autopar.passes.stages import layer_order
 
 log = logging.getLogger(__name__)
@@ -171,12 +171,10 @@ class PipelineStages:
 def _stages_recompute(plan: Plan) -> str:
     """The recompute mode ``plan``'s stages were planned with: each applies it to its own layers
     (under "full:N", the N-th, 2N-th, … of the stage), so it is read back stage by stage."""
-    modes = {recompute_mode(st.layers, {layer: plan.recompute[layer] for layer in st.layers if layer in plan.recompute})
-             for st in plan.stages} - {"none"}
-    if len(modes) > 1:
-        raise AutoparError(ErrorKind.BAD_PLAN, f"its stages recompute their layers differently ({sorted(modes)}); "
-                           "re-plan")
-    return next(iter(modes), "none")
+    try:
+        return recorded_mode([st.layers for st in plan.stages], plan.recompute)
+    except ValueError as exc:
+        raise AutoparError(ErrorKind.BAD_PLAN, f"{exc}; re-plan") from None
 
 
 def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) -> float:

@@ -14,6 +14,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
@@ -259,9 +260,34 @@ class Cluster:
         return found
 
     def plan_header(self) -> dict:
-        """What a plan records of its cluster (``plan.cluster``)."""
+        """What a plan records of its cluster (``plan.cluster``): its shape, every link's figures
+        and a digest of the rest (what a re-plan needs to tell a change of link speeds alone)."""
         return {"spec": self.describe(), "device": self.device.name, "hosts": self.hosts,
-                "devices_per_host": self.devices_per_host, "memory_limit_bytes": self.memory_limit_bytes}
+                "devices_per_host": self.devices_per_host, "memory_limit_bytes": self.memory_limit_bytes,
+                "links": {name: link.record() for name, link in self.named_links().items()},
+                "topology": self.topology_digest()}
+
+    def named_links(self) -> dict[str, Link]:
+        """Every link by name: ``intra_node``, ``inter_node``, ``a-b`` between regions a and b,
+        and a region's own as ``region/intra_node`` (its cluster's links)."""
+        found = {"intra_node": self.intra_link, "inter_node": self.inter_link}
+        found.update({f"{a}-{b}": link for a, b, link in self.wan_links})
+        for name, sub in self.region_clusters:
+            found.update({f"{name}/{key}": link for key, link in sub.named_links().items()})
+        return found
+
+    def topology_digest(self) -> str:
+        """A digest of everything but the links' figures (devices, hosts, regions, memory limit):
+        two clusters with the same digest differ at most in how fast their links are."""
+        return hashlib.sha256(repr(self._without_links()).encode()).hexdigest()[:16]
+
+    def _without_links(self) -> "Cluster":
+        return dataclasses.replace(self, intra_link=_NO_LINK, inter_link=_NO_LINK,
+                                   wan_links=tuple((a, b, _NO_LINK) for a, b, _ in self.wan_links),
+                                   region_clusters=tuple((n, c._without_links()) for n, c in self.region_clusters))
+
+
+_NO_LINK = Link(1.0, 0.0)  # stands for every link in a topology digest
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,11 @@ class Link:
     def efficiency(self, kind: str) -> float:
         return dict(self.collective_efficiency).get(kind, 1.0)
 
+    def record(self) -> dict:
+        """The link as a plan records it (``plan.cluster["links"]``)."""
+        return {"bandwidth_Bps": self.bandwidth_Bps, "latency_s": self.latency_s,
+                "collective_efficiency": dict(self.collective_efficiency)}
+
     @classmethod
     def of_device(cls, device: DeviceSpec, inter_node: bool) -> "Link":
         """The default link between two of ``device``'s kind, in one node or across nodes."""

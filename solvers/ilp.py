@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterable
 
 from ortools.sat.python import cp_model
 
@@ -31,19 +32,26 @@ log = logging.getLogger(__name__)
 _SCALE_TARGET = 1e8  # the largest single cost term becomes this many integer units
 
 
-def _solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel):
+def _solve_interruptibly(solver: cp_model.CpSolver, model: cp_model.CpModel, meanwhile: Iterable | None = None):
     """Search in a worker thread so that Ctrl-C reaches Python at once (the main thread is not
     stuck inside the C++ search): the search is stopped and KeyboardInterrupt raised, so
     nothing is made of an interrupted solve. CP-SAT's own SIGINT handler is off, or it would
-    end the search quietly and a half-searched plan would look like a finished one."""
+    end the search quietly and a half-searched plan would look like a finished one.
+
+    ``meanwhile``: the caller's work, one step per item, done in this thread while the search
+    runs (CP-SAT releases the GIL) and only until it ends — e.g. the next meshes' problems; if a
+    step raises, the search is stopped first."""
     solver.parameters.catch_sigint_signal = False
     result: dict = {}
     worker = threading.Thread(target=lambda: result.setdefault("code", solver.solve(model)), daemon=True)
     worker.start()
     try:
+        for _ in meanwhile or ():
+            if not worker.is_alive():
+                break
         while worker.is_alive():
             worker.join(0.05)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or the caller's work failed: no search left running behind
         solver.stop_search()
         worker.join()
         raise
@@ -62,7 +70,11 @@ class CpSatSolver:
         self._relaxations: dict[tuple, LpRelaxation] = {}
         self._formulations: dict[tuple, Formulation] = {}
 
-    def solve(self, problem: ShardingProblem, hint: list[int] | None = None) -> Solution:
+    def solve(self, problem: ShardingProblem, hint: list[int] | None = None,
+              meanwhile: Iterable | None = None) -> Solution:
+        """The optimum of ``problem`` (or the best found in the time limit); ``hint``: a first
+        incumbent; ``meanwhile``: the caller's work to do, step by step, while CP-SAT searches
+        (:func:`_solve_interruptibly`; none of it when the relaxation answers)."""
         start = time.perf_counter()
         if problem.min_memory() > problem.memory_limit_bytes:  # no search can fit it
             log.info("least memory %d bytes over the limit %d: infeasible", problem.min_memory(),
@@ -78,7 +90,7 @@ class CpSatSolver:
                 return Solution(relaxed.choice, "OPTIMAL", objective, min(relaxed.bound_s, objective), elapsed,
                                 *relaxation.size, method="lp")
             hint = _better_start(problem, hint, relaxed)
-        return self._cp_sat(problem, hint, start)
+        return self._cp_sat(problem, hint, start, meanwhile)
 
     def lower_bound(self, problem: ShardingProblem) -> float:
         """Optimum of the LP relaxation (``inf`` when even that is infeasible)."""
@@ -101,7 +113,8 @@ class CpSatSolver:
             self._formulations[key] = Formulation(problem)
         return self._formulations[key]
 
-    def _cp_sat(self, problem: ShardingProblem, hint: list[int] | None, start: float) -> Solution:
+    def _cp_sat(self, problem: ShardingProblem, hint: list[int] | None, start: float,
+                meanwhile: Iterable | None = None) -> Solution:
         formulation = self._formulation_of(problem)
         model, x, scale = _cp_sat_model(formulation, problem.fixed, problem.excluded, hint)
 
@@ -114,7 +127,7 @@ class CpSatSolver:
         solver.parameters.cp_model_probing_level = 0
         solver.parameters.symmetry_level = 0
         solver.parameters.random_seed = self.seed
-        code = _solve_interruptibly(solver, model)
+        code = _solve_interruptibly(solver, model, meanwhile)
         elapsed = time.perf_counter() - start
         stats = model.proto
         n_vars, n_cons = len(stats.variables), len(stats.constraints)

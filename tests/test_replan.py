@@ -4,6 +4,7 @@ how many steps the faster step pays it back."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -14,6 +15,7 @@ import autopar
 from autopar import placements as pl
 from autopar.errors import AutoparError
 from autopar.planning.migration import piece, received_elements
+from autopar.planning.replan import known_bounds, link_speedup
 from test_overlap import ResidualMLP
 
 
@@ -92,6 +94,93 @@ def test_a_lost_host_means_switching_now(tmp_path):
     assert answer.plan.num_devices == 2 and answer.previous_step_s is None
     assert answer.switch and answer.break_even_steps == 0
     assert "runs on 4 devices, the cluster has 2" in answer.reason
+
+
+def _two_hosts(tmp_path, gbps: float) -> str:
+    """Two hosts of four H100 whose network runs at ``gbps`` GB/s."""
+    path = tmp_path / f"2x4-{gbps}.yaml"
+    path.write_text(f"device: H100\nnodes: 2\nper_node: 4\ninter_node: {{bandwidth_GBps: {gbps}, latency_us: 20}}\n")
+    return str(path)
+
+
+def test_how_much_faster_any_link_got():
+    """link_speedup: 1 when no link got faster; the factor of the one that did, by bandwidth,
+    latency or collective efficiency; None where no factor holds (a latency gone to zero,
+    other links)."""
+    cluster = autopar.Cluster.from_spec("2x8xA100-80GB")
+    recorded = cluster.plan_header()["links"]
+    inter, intra = cluster.inter_link, cluster.intra_link
+    assert link_speedup(recorded, cluster) == 1.0
+    assert link_speedup(recorded, cluster.with_link("inter_node", inter.bandwidth_Bps / 10)) == 1.0
+    assert link_speedup(recorded, cluster.with_link("inter_node", inter.bandwidth_Bps * 4)) == pytest.approx(4.0)
+    assert link_speedup(recorded, cluster.with_link("intra_node", intra.bandwidth_Bps, intra.latency_s / 2)) \
+        == pytest.approx(2.0)
+    assert link_speedup(recorded, cluster.with_link("intra_node", intra.bandwidth_Bps, 0.0)) is None
+    inefficient = dataclasses.replace(cluster, inter_link=dataclasses.replace(
+        inter, collective_efficiency=(("all_gather", 0.5),)))
+    assert link_speedup(inefficient.plan_header()["links"], cluster) == pytest.approx(2.0)
+    assert link_speedup(recorded, inefficient) == 1.0
+    assert link_speedup({**recorded, "a-b": recorded["inter_node"]}, cluster) is None
+    assert link_speedup(None, cluster) is None  # a plan from before links were recorded
+
+
+def test_a_slower_link_prunes_meshes_by_the_old_bounds_without_building_them(tmp_path, monkeypatch):
+    """The old search's bound on each mesh still bounds it when links only got slower (and,
+    over the speed-up, when one got faster): a re-plan for a 10× slower network builds the
+    problem of the old plan's mesh alone, prunes the others by the bounds the old plan
+    recorded, and gives the plan a fresh search gives. Each reused bound is at most the one
+    the fresh search computes on that mesh."""
+    import autopar.planning.one_mesh as one_mesh
+
+    model, x = _model()
+    old = autopar.plan(model, (x,), cluster=_two_hosts(tmp_path, 5))
+    assert [c["status"] for c in old.mesh_candidates].count("PRUNED") == 2
+    built = []
+    monkeypatch.setattr(one_mesh.MeshSearch, "_problem",
+                        lambda self, mesh, _was=one_mesh.MeshSearch._problem, **kw:
+                        built.append(tuple(mesh.shape)) or _was(self, mesh, **kw))
+    for gbps, only_the_old_mesh in ((0.5, True), (50, False)):
+        cluster = _two_hosts(tmp_path, gbps)
+        built.clear()
+        answer = autopar.replan(old, cluster)
+        assert (built == [tuple(old.mesh_shape)]) is only_the_old_mesh
+        fresh = autopar.plan(model, (x,), cluster=cluster)
+        assert answer.plan.predicted_step_s == pytest.approx(fresh.predicted_step_s, rel=1e-6)
+        reused = dict(known_bounds(old.graphs, old, autopar.Cluster.from_spec(cluster)).bounds)
+        assert len(reused) == 3
+        for candidate in fresh.mesh_candidates:
+            assert reused[tuple(candidate["mesh_shape"])] <= candidate["bound_s"] * (1 + 1e-9)
+
+
+def test_old_bounds_are_not_reused_where_more_than_links_changed(tmp_path):
+    """Another memory limit, device count or device kind is another problem: no bound carries
+    over; nor from a pinned configuration's plan (its bounds are that configuration's)."""
+    model, x = _model()
+    old = autopar.plan(model, (x,), cluster=_two_hosts(tmp_path, 5))
+    same = autopar.Cluster.from_spec(_two_hosts(tmp_path, 5))
+    assert known_bounds(old.graphs, old, same) is not None
+    for other in (autopar.Cluster.from_spec(_two_hosts(tmp_path, 5), memory_limit_bytes=40e9),
+                  autopar.Cluster.from_spec("2x4xA100-80GB"), autopar.Cluster.from_spec("8xH100")):
+        assert known_bounds(old.graphs, old, other) is None
+    pinned = autopar.plan(model, (x,), cluster=_two_hosts(tmp_path, 5), configuration="fsdp")
+    assert pinned.options["configuration"] == "fsdp"
+    assert known_bounds(pinned.graphs, pinned, same) is None
+
+
+def test_a_plan_of_sparse_tables_carries_its_bounds_only_to_the_graphs_it_was_made_from():
+    """Sparse-table costs follow the densities the graphs were annotated with: the same graphs
+    carry the bounds over; graphs captured anew (perhaps with other densities) do not."""
+    from autopar.planning import ModelGraphs
+    from test_sparse import LanguageHead
+
+    with torch.device("meta"):
+        model = LanguageHead(100_000, 256)
+    tokens = torch.zeros(64, 128, dtype=torch.long, device="meta")
+    cluster = autopar.Cluster.from_spec("8xA100-80GB")
+    plan = autopar.plan(model, (tokens,), cluster=cluster, sparsity={"emb.weight": 0.01})
+    assert plan.sparse
+    assert known_bounds(plan.graphs, plan, cluster) is not None
+    assert known_bounds(ModelGraphs(model, (tokens,)), plan, cluster) is None
 
 
 def test_replan_refuses_another_model():

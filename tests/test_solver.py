@@ -203,3 +203,47 @@ def test_time_limit_returns_the_warm_start_or_better():
     solution = CpSatSolver(time_limit_s=5).solve(problem, hint=hint)
     assert solution.status in ("OPTIMAL", "FEASIBLE")
     assert solution.objective_s <= problem.evaluate(hint) + 1e-9
+
+
+def _endless(steps: list):
+    while True:
+        steps.append(len(steps))
+        yield
+
+
+def test_the_callers_work_runs_while_cp_sat_searches_and_stops_when_the_search_ends():
+    """``solve(meanwhile=…)`` (the one-mesh search builds the next meshes so): its steps run in
+    the caller's thread while CP-SAT searches and no more once the search has ended (an endless
+    generator ends with it), the answer is the one solving alone gives, and a problem the
+    relaxation settles runs none of them."""
+    searched = settled = None
+    for seed in range(60):
+        problem = random_problem(random.Random(seed))
+        if math.isinf(brute_force(problem)):
+            continue
+        method = CpSatSolver(time_limit_s=20).solve(problem).method
+        searched = searched or (problem if method == "cp-sat" else None)
+        settled = settled or (problem if method == "lp" else None)
+    steps = []
+    solution = CpSatSolver(time_limit_s=20).solve(searched, meanwhile=_endless(steps))
+    assert solution.method == "cp-sat" and steps
+    assert solution.objective_s == pytest.approx(brute_force(searched), rel=1e-6, abs=1e-6)
+    untouched = []
+    assert CpSatSolver(time_limit_s=20).solve(settled, meanwhile=_endless(untouched)).method == "lp"
+    assert untouched == []
+
+
+def test_a_failing_step_of_the_callers_work_stops_the_search():
+    """An error in the work done meanwhile reaches the caller, with no search left running."""
+    import threading
+
+    def failing():
+        raise RuntimeError("building the next mesh failed")
+        yield
+
+    problem = next(p for p in (random_problem(random.Random(seed)) for seed in range(60))
+                   if not math.isinf(brute_force(p)) and CpSatSolver(time_limit_s=20).solve(p).method == "cp-sat")
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="next mesh failed"):
+        CpSatSolver(time_limit_s=20, relaxation_first=False).solve(problem, meanwhile=failing())
+    assert threading.active_count() == before

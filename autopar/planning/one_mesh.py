@@ -16,7 +16,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from autopar.cluster import Cluster
@@ -109,8 +109,10 @@ class OneMesh:
 def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
     """The one-mesh search of ``graphs``' full batch on ``cluster``, prepared once: the family's
     plan and the hand-written baselines every winner lists share its problems."""
+    mode = "none" if options.recompute == "auto" else options.recompute
+    known = options.mesh_bounds.of(mode) if options.mesh_bounds is not None else {}
     return graphs.derived(("one_mesh", id(cluster), options),
-                          lambda: MeshSearch(graphs.full, cluster, options, loss_on_outputs=True))
+                          lambda: MeshSearch(graphs.full, cluster, options, loss_on_outputs=True, known_bounds=known))
 
 
 def make_plan(captured: Captured, cluster: Cluster, options: PlanOptions, **kwargs) -> Plan:
@@ -125,10 +127,15 @@ class MeshSearch:
     micro-batches in flight, ``baselines=False`` skips the hand-written configurations, and
     ``annotate=False`` keeps the cost and saved-activation annotations its nodes already carry.
     ``options.configuration`` (a baseline's name) makes :meth:`best` return that hand-written
-    configuration's plan instead of the optimum (to measure it, e.g.)."""
+    configuration's plan instead of the optimum (to measure it, e.g.).
+    ``known_bounds`` (mesh shape → a lower bound on its step; a re-plan's, options.MeshBounds):
+    such a mesh's problem is built only when the search reaches it unpruned — not at all when
+    the incumbent is already as fast (unused where baselines or a configuration are costed:
+    they need every mesh's problem)."""
 
     def __init__(self, captured: Captured, cluster: Cluster, options: PlanOptions, *, activation_copies: int = 1,
-                 baselines: bool = True, annotate: bool = True, loss_on_outputs: bool = False) -> None:
+                 baselines: bool = True, annotate: bool = True, loss_on_outputs: bool = False,
+                 known_bounds: dict[tuple[int, ...], float] | None = None) -> None:
         self.captured, self.cluster, self.options = captured, cluster, options
         self.loss_on_outputs = loss_on_outputs
         self.activation_copies = activation_copies
@@ -142,13 +149,18 @@ class MeshSearch:
         self.engine = get_solver(options.solver, time_limit_s=options.time_limit_s)
         self.repeated = find_repeated_layers(captured) if options.cluster_layers else {}
         self.repeated.update(captured.tied)  # tied weights: one decision (and lowering gives them one tensor)
+        known = (known_bounds or {}) if not self.with_baselines and options.configuration is None else {}
         prepared = []
         for order, mesh in enumerate(meshes):
+            if tuple(mesh.shape) in known and not self._warm(mesh):  # built if best() reaches it
+                prepared.append((known[tuple(mesh.shape)], order, mesh, None, None))
+                continue
             annotate_strategies(captured, mesh.shape, skip=self.repeated)
             problem, index = self._problem(mesh)
             prepared.append((self.engine.lower_bound(problem), order, mesh, problem, index))
         # by bound, then the simpler mesh; a warm start's mesh first (its incumbent prunes the rest)
         self.prepared = sorted(prepared, key=lambda p: (not self._warm(p[2]), *p[:2]))
+        self._deferred: dict[int, tuple[float, ShardingProblem, ProblemIndex]] = {}  # built after all
         self.prepare_s = time.perf_counter() - self.start
         self._baselines: tuple[dict[str, dict], dict[int, list[int] | None]] | None = None
 
@@ -180,6 +192,9 @@ class MeshSearch:
             found: dict[str, dict] = {}
             hints: dict[int, list[int] | None] = {}
             for _bound, order, mesh, problem, index in self.prepared:
+                if problem is None:  # not built (a known bound): no baselines here, never the warm mesh
+                    hints[order] = None
+                    continue
                 rules = self._rules(mesh) if self.with_baselines else {}
                 costed, hints[order] = cost_baselines(self.captured, problem, index, self.engine, rules)
                 for name, entry in costed.items():  # each baseline keeps its best mesh
@@ -206,7 +221,8 @@ class MeshSearch:
         best: _Incumbent | None = None
         candidates: dict[int, dict] = {}
         least_memory_bytes = []  # per infeasible mesh: the least any placement needs
-        for bound, order, mesh, problem, index in itertools.chain(self.prepared, self._refinements(lambda: best)):
+        searched = itertools.chain(self.prepared, self._refinements(lambda: best))
+        for position, (bound, order, mesh, problem, index) in enumerate(searched):
             if configuration is not None:
                 rule = configurations(len(mesh.shape)).get(configuration)
                 pinned = baseline_problem(self.captured, problem, index, configuration, rule) if rule else None
@@ -215,13 +231,19 @@ class MeshSearch:
                                          "predicted_step_s": None, "bound_s": None}
                     continue
                 problem = pinned
-            if best is not None and bound >= best.step_s * (1 - 1e-9):
+            if problem is None and not _pruned(bound, best):  # a known bound did not prune it: build it
+                bound, problem, index = self._deferred_problem(order, mesh, bound)
+            if _pruned(bound, best):
                 # branch and bound over meshes: this mesh's relaxation cannot beat the incumbent
                 candidates[order] = {"mesh_shape": list(mesh.shape), "status": "PRUNED", "predicted_step_s": None,
                                      "bound_s": _finite(bound)}
+                if problem is None:
+                    log.info("mesh %s: pruned by a known bound (%.3g s), its problem not needed",
+                             list(mesh.shape), bound)
                 continue
             log.info("mesh %s: solving (%d nodes, %d edges)", list(mesh.shape), problem.num_nodes, len(problem.edges))
-            solution, problem, excess, spread_s = self._solve(mesh, problem, index, hints.get(order))
+            solution, problem, excess, spread_s = self._solve(mesh, problem, index, hints.get(order),
+                                                              meanwhile=self._ahead(position))
             candidates[order] = {"mesh_shape": list(mesh.shape), "status": solution.status,
                                  "predicted_step_s": solution.objective_s + spread_s if solution.choice else None,
                                  "bound_s": _finite(solution.bound_s)}
@@ -264,11 +286,32 @@ class MeshSearch:
             problem, index = self._problem(mesh)
             yield self.engine.lower_bound(problem), order, mesh, problem, index
 
-    def _solve(self, mesh: MeshSpec, problem: ShardingProblem, index: ProblemIndex, hint: list[int] | None
-               ) -> tuple[Solution, ShardingProblem, int, float]:
-        """Solve one mesh's problem; returns the solution, the problem it solved, the busiest
-        table-wise owner's bytes beyond the even split, and the owners' extra exchange time."""
-        solution = self.engine.solve(problem, hint=hint)  # warm start: a time limit keeps it ≥ the best baseline
+    def _deferred_problem(self, order: int, mesh: MeshSpec, known: float
+                          ) -> tuple[float, ShardingProblem, ProblemIndex]:
+        """The problem of a mesh left unbuilt for its ``known`` bound, made once: (the larger of
+        that bound and its relaxation's, the problem, its index)."""
+        if order not in self._deferred:
+            annotate_strategies(self.captured, mesh.shape, skip=self.repeated)
+            problem, index = self._problem(mesh)
+            self._deferred[order] = (max(known, self.engine.lower_bound(problem)), problem, index)
+        return self._deferred[order]
+
+    def _ahead(self, position: int) -> Iterator[None]:
+        """Build the unbuilt meshes after ``position`` in the search order, one per step: what
+        the main thread does while CP-SAT searches a mesh (most are needed next; whether one is
+        pruned still depends on its known bound alone, so plans do not depend on the timing)."""
+        for bound, order, mesh, problem, _index in self.prepared[position + 1:]:
+            if problem is None:
+                self._deferred_problem(order, mesh, bound)
+                yield
+
+    def _solve(self, mesh: MeshSpec, problem: ShardingProblem, index: ProblemIndex, hint: list[int] | None,
+               meanwhile: Iterator[None] | None = None) -> tuple[Solution, ShardingProblem, int, float]:
+        """Solve one mesh's problem (doing ``meanwhile``'s steps while CP-SAT searches); returns
+        the solution, the problem it solved, the busiest table-wise owner's bytes beyond the even
+        split, and the owners' extra exchange time."""
+        # warm start: a time limit keeps it ≥ the best baseline
+        solution = self.engine.solve(problem, hint=hint, meanwhile=meanwhile)
         # the problem charged the table-wise tables evenly spread over their owners: the owners
         # picked for this choice hold (and send) more on the busiest device
         optimizer = self.options.optimizer
@@ -297,6 +340,11 @@ class _Incumbent(NamedTuple):
     index: ProblemIndex
     table_excess: int  # bytes the busiest table-wise owner holds beyond the even split
     step_s: float  # the objective plus the table-wise owners' real spread
+
+
+def _pruned(bound: float, best: _Incumbent | None) -> bool:
+    """Whether a mesh whose step is at least ``bound`` cannot beat the incumbent."""
+    return best is not None and bound >= best.step_s * (1 - 1e-9)
 
 
 def _finite(value: float) -> float | None:

@@ -71,6 +71,9 @@ class PlanOptions:
     # a plan of the same model to start from (autopar.replan): its mesh solved first, its
     # placements the solver's first incumbent there (not part of the options' identity)
     warm_start: Any = field(default=None, hash=False, compare=False)
+    # lower bounds on some meshes' best step known before their problems are built (a re-plan
+    # for links that changed speed: :class:`MeshBounds`); not part of the options' identity
+    mesh_bounds: "MeshBounds | None" = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_STATES:
@@ -150,6 +153,8 @@ class PlanOptions:
             recorded["prefetch_layers"] = self.prefetch_layers
         if self.mesh_dims != PlanOptions.mesh_dims:  # a re-plan searches as many mesh dims
             recorded["mesh_dims"] = self.mesh_dims
+        if self.configuration is not None:  # a pinned hand-written plan (a re-plan searches freely)
+            recorded["configuration"] = self.configuration
         return recorded
 
     @classmethod
@@ -170,6 +175,26 @@ class PlanOptions:
         return {"overlap_efficiency": device.overlap_efficiency if self.overlap else 0.0,
                 "collective_overlap": device.collective_overlap if self.overlap else (),
                 "prefetch": self.prefetch_layers > 0, "bucket_bytes": int(self.bucket_cap_mb * 2**20)}
+
+
+@dataclass(frozen=True)
+class MeshBounds:
+    """Lower bounds on the one-mesh search's step per mesh shape, valid on the cluster being
+    planned before any problem is built there (autopar.planning.replan.known_bounds: an old
+    search's bounds on a cluster whose links alone changed speed). They bound the searches of
+    recompute mode ``recompute`` only: another mode is another problem. The search prunes a
+    mesh whose bound is no better than its incumbent without building that mesh's problem.
+
+    >>> MeshBounds("none", (((2, 8), 0.05),)).of("none"), MeshBounds("none", ()).of("full")
+    ({(2, 8): 0.05}, {})
+    """
+
+    recompute: str
+    bounds: tuple[tuple[tuple[int, ...], float], ...]
+
+    def of(self, recompute: str) -> dict[tuple[int, ...], float]:
+        """The bounds by mesh shape for a search of mode ``recompute`` (none for another mode)."""
+        return dict(self.bounds) if recompute == self.recompute else {}
 
 
 def _is_number(value) -> bool:

@@ -20,7 +20,9 @@ from autopar.plan import Plan
 from autopar.planning.costing import recost
 from autopar.planning.pipeline import recost_pipeline
 from autopar.planning.migration import Migration, migration
-from autopar.planning.options import PlanOptions
+from autopar.planning.options import MeshBounds, PlanOptions
+from autopar.passes.layer_recompute import recompute_mode
+from autopar.passes.stages import layer_order
 from autopar.units import format_bytes, format_seconds
 
 
@@ -69,7 +71,8 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
         raise AutoparError(ErrorKind.BAD_PLAN, f"the plan was made for a different graph (fingerprint "
                            f"{old.fingerprint}, this model captures as {captured.fingerprint}); plan it afresh")
     start = time.perf_counter()
-    new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old, baselines=False))
+    new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old, baselines=False,
+                                                      mesh_bounds=known_bounds(graphs, old, cluster)))
     replan_s = time.perf_counter() - start
     previous, why_not = _previous_step(graphs, old, cluster, options)
     moved = _migration(graphs, old, new, cluster, options)
@@ -87,6 +90,59 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
                   f"{format_seconds(new.predicted_step_s)}); moving {format_bytes(moved.bytes)} per device takes "
                   f"{format_seconds(moved.seconds)}: it pays off after {steps} step{'s' if steps > 1 else ''}")
     return Replan(new, previous, moved.bytes, moved.seconds, moved.exact, steps, switch, reason, replan_s)
+
+
+def known_bounds(graphs, old: Plan, cluster: Cluster) -> MeshBounds | None:
+    """The old one-mesh search's lower bound on each mesh, turned into one valid on ``cluster``
+    when only link speeds changed (same devices, hosts, regions and memory: the plan's
+    ``topology`` digest); None otherwise, or for a plan that records no links.
+
+    Why it holds: every communication time is alpha-beta (autopar.comm: bytes / bandwidth +
+    latencies, over an efficiency; the faster of ring and tree), so a link ``k`` times faster
+    at most (:func:`link_speedup`) makes each collective at least ``1/k`` of its old time;
+    compute is unchanged, and the objective is sums and maxima (overlap) of those terms. So
+    on any assignment, fractional ones included, the new step is at least the old one over
+    ``k`` (at least the old one where no link got faster), and so is each bound. Only for
+    the problem the old search solved: the recompute mode it was made with, no pinned
+    configuration (its bounds are the configuration's), and the same sparse-table densities
+    (the graphs it was made from, or a model without sparse tables)."""
+    if old.family != "one_mesh" or old.cluster.get("topology") != cluster.topology_digest() \
+            or "configuration" in old.options or (old.sparse and graphs is not old.graphs):
+        return None
+    speedup = link_speedup(old.cluster.get("links"), cluster)
+    if speedup is None:
+        return None
+    try:
+        mode = recompute_mode(layer_order(graphs.full.graph), old.recompute)
+    except ValueError:
+        return None
+    return MeshBounds(mode, tuple((tuple(c["mesh_shape"]), c["bound_s"] / speedup) for c in old.mesh_candidates
+                                  if c.get("bound_s") is not None))
+
+
+def link_speedup(recorded: dict | None, cluster: Cluster) -> float | None:
+    """How many times faster than ``recorded`` (a plan's ``cluster["links"]``) any link of
+    ``cluster`` got at most, in bandwidth or latency times collective efficiency; 1 when none
+    got faster. None when the links are not the same ones, when a latency dropped to zero,
+    or when regions are joined by several WAN links (a collective over three regions runs at
+    the slowest of them, which may be another link after the change)."""
+    links = cluster.named_links()
+    if not recorded or set(recorded) != set(links) or len(cluster.wan_links) > 1:
+        return None
+    speedup = 1.0
+    for name, link in links.items():
+        was = recorded[name]
+        if link.latency_s <= 0 < was["latency_s"]:
+            return None
+        faster = max(link.bandwidth_Bps / was["bandwidth_Bps"],
+                     was["latency_s"] / link.latency_s if link.latency_s > 0 else 1.0)
+        kinds = set(was["collective_efficiency"]) | {kind for kind, _ in link.collective_efficiency}
+        efficient = max((link.efficiency(kind) / was["collective_efficiency"].get(kind, 1.0) for kind in kinds),
+                        default=1.0)
+        if not (math.isfinite(faster) and math.isfinite(efficient)):  # an infinite link, recorded or new
+            return None
+        speedup = max(speedup, faster * max(efficient, 1.0))
+    return speedup
 
 
 def _previous_step(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> tuple[float | None, str]:

@@ -276,10 +276,15 @@ class Cluster:
             found.update({f"{name}/{key}": link for key, link in sub.named_links().items()})
         return found
 
+    def fingerprint(self) -> str:
+        """A digest of every field: two clusters with one fingerprint plan alike (a re-plan finds
+        the plans of device groups whose own cluster did not change: planning.one_mesh.group_plan)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
     def topology_digest(self) -> str:
         """A digest of everything but the links' figures (devices, hosts, regions, memory limit):
         two clusters with the same digest differ at most in how fast their links are."""
-        return hashlib.sha256(repr(self._without_links()).encode()).hexdigest()[:16]
+        return self._without_links().fingerprint()
 
     def _without_links(self) -> "Cluster":
         return dataclasses.replace(self, intra_link=_NO_LINK, inter_link=_NO_LINK,

@@ -302,6 +302,56 @@ def test_a_pipeline_plan_is_recosted_on_the_changed_links():
         recost_pipeline(graphs, old, Cluster.from_spec("2xcpu"), PlanOptions.of_plan(old))
 
 
+def test_a_wan_change_replans_pipeline_and_replicas_from_the_group_plans_already_made(monkeypatch):
+    """A device group's own cluster holds no WAN link: a re-plan for a WAN link 1000× slower
+    finds the pipeline chunks' and replica groups' intra-operator plans the first search made
+    and searches only those it had not needed (far fewer group searches than a fresh search
+    on the slow cluster runs); every family predicts what the fresh search's does."""
+    from autopar.cluster import Cluster
+    import autopar.planning.one_mesh as one_mesh
+
+    model, x = ResidualMLP(64, 4), torch.randn(32, 64)
+    cluster = Cluster.from_spec(str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml"))
+    old = autopar.plan(model, (x,), cluster=cluster)
+    slow = cluster.with_link("a-b", 1e6)
+    group_searches = []
+    monkeypatch.setattr(one_mesh.MeshSearch, "best", lambda self, _was=one_mesh.MeshSearch.best:
+                        group_searches.append(self.cluster.num_devices < cluster.num_devices) or _was(self))
+    fresh = autopar.plan(model, (x,), cluster=slow)
+    in_fresh = sum(group_searches)
+    group_searches.clear()
+    answer = autopar.replan(old, slow)
+    assert sum(group_searches) <= in_fresh // 4
+    assert {"pipeline", "replicas"} <= set(fresh.families)
+    for family, entry in fresh.families.items():
+        assert answer.plan.families[family]["predicted_step_s"] == pytest.approx(entry["predicted_step_s"],
+                                                                                 rel=1e-9), family
+    assert answer.plan.predicted_step_s == pytest.approx(fresh.predicted_step_s, rel=1e-9)
+    assert fresh.families["pipeline"]["predicted_step_s"] > old.families["pipeline"]["predicted_step_s"]
+    # whichever family won, the one-mesh search's bounds travel with the plan
+    assert old.families["one_mesh"]["mesh_bounds"]["bounds"]
+    assert known_bounds(old.graphs, old, slow) is not None
+
+
+def test_a_replan_keeps_a_pinned_micro_batch_count_and_schedule():
+    """Micro-batches and schedule pinned by the user are part of the training setup: the plan
+    records them and a re-plan searches with them, as a fresh plan with the same pins does."""
+    from autopar.cluster import Cluster
+    from autopar.planning import PlanOptions
+
+    model, x = ResidualMLP(64, 4), torch.randn(32, 64)
+    cluster = Cluster.from_spec(str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml"))
+    pins = {"micro_batches": 4, "schedule": "GPipe"}
+    old = autopar.plan(model, (x,), cluster=cluster, pipeline=True, **pins)
+    assert {k: old.options[k] for k in pins} == pins
+    assert (PlanOptions.of_plan(old).micro_batches, PlanOptions.of_plan(old).schedule) == (4, "GPipe")
+    slow = cluster.with_link("a-b", 1e6)
+    answer = autopar.replan(old, slow)
+    fresh = autopar.plan(model, (x,), cluster=slow, **pins)
+    assert answer.plan.families["pipeline"]["predicted_step_s"] == pytest.approx(
+        fresh.families["pipeline"]["predicted_step_s"], rel=1e-9)
+
+
 def _one_process(model, x, target, steps: int):
     """A copy of ``model`` after ``steps`` AdamW steps in one process, and its optimizer."""
     import copy

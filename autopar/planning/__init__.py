@@ -25,6 +25,8 @@ from autopar.planning.pipeline import PipelineStages, check_micro_batches
 from autopar.planning.precision import Precision
 from autopar.planning.replicas import ReplicaGroups, check_batch_split
 from autopar.planning.throughput import step_work
+from autopar.passes.layer_recompute import recompute_mode
+from autopar.passes.stages import layer_order
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
                 log.info("%s plans skipped: %s", name, exc.message)
             return exc
         entries[name] = {"predicted_step_s": found[name].predicted_step_s, "feasible": True}
+        if name == "one_mesh":  # what a re-plan for new link speeds may carry over (planning.replan)
+            entries[name]["mesh_bounds"] = _mesh_bounds(graphs, found[name])
         return None
 
     for name in tried:
@@ -96,6 +100,14 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
                                timings={**best.timings, "plan_s": time.perf_counter() - start,
                                         "capture_s": graphs.capture_s}, graphs=graphs)
     return _with_symbolic_costs(best, graphs, cluster) if options.symbolic else best
+
+
+def _mesh_bounds(graphs: ModelGraphs, plan: Plan) -> dict:
+    """The one-mesh search's lower bound on each mesh it tried, and the recompute mode it was
+    made with: {"recompute", "bounds": [[mesh shape, seconds], …]}."""
+    return {"recompute": recompute_mode(layer_order(graphs.full.graph), plan.recompute),
+            "bounds": [[list(c["mesh_shape"]), c["bound_s"]] for c in plan.mesh_candidates
+                       if c.get("bound_s") is not None]}
 
 
 def _check_pinned(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions, tried: list[str]) -> None:

@@ -115,6 +115,29 @@ def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
                           lambda: MeshSearch(graphs.full, cluster, options, loss_on_outputs=True, known_bounds=known))
 
 
+def group_plan(graphs, rows: int, cluster: Cluster, options: PlanOptions) -> Plan:
+    """The best plan of ``graphs`` at ``rows`` rows over ``cluster``'s devices (a replica
+    group's), made once for these graphs per cluster value: a re-plan whose WAN link changed
+    finds each group's plan made (a group's own cluster holds no WAN link)."""
+    key = ("group_plan", rows, cluster.fingerprint(), dataclasses.replace(options, baselines=False))
+    found = graphs.derived(key, lambda: plan_or_no_fit(make_plan, graphs.at_rows(rows), cluster, options,
+                                                        baselines=False))
+    if isinstance(found, AutoparError):
+        raise found
+    return found
+
+
+def plan_or_no_fit(make: Callable[..., Plan], *args, **kwargs) -> "Plan | AutoparError":
+    """``make(*args, **kwargs)``, or the INFEASIBLE_MEMORY error it raised (kept like a plan:
+    that nothing fits is as much an answer)."""
+    try:
+        return make(*args, **kwargs)
+    except AutoparError as exc:
+        if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+            raise
+        return exc
+
+
 def make_plan(captured: Captured, cluster: Cluster, options: PlanOptions, **kwargs) -> Plan:
     """The best intra-operator plan of ``captured`` over ``cluster``'s devices (see
     :class:`MeshSearch` for ``kwargs``)."""

@@ -155,18 +155,22 @@ class PlanOptions:
             recorded["mesh_dims"] = self.mesh_dims
         if self.configuration is not None:  # a pinned hand-written plan (a re-plan searches freely)
             recorded["configuration"] = self.configuration
+        if self.micro_batches is not None:  # pinned by the user: a re-plan keeps the training setup
+            recorded["micro_batches"] = self.micro_batches
+        if self.schedule != PlanOptions.schedule:
+            recorded["schedule"] = self.schedule
         return recorded
 
     @classmethod
     def of_plan(cls, plan, **overrides) -> "PlanOptions":
         """The options ``plan`` was made with, as far as it records them (optimizer, precision,
-        overlap knobs, searched mesh dims: what re-costing or re-planning it needs), and
-        ``overrides``."""
+        overlap knobs, searched mesh dims, a pinned micro-batch count or pipeline schedule: what
+        re-costing or re-planning it needs), and ``overrides``."""
         recorded = {"optimizer": plan.options.get("optimizer", cls.optimizer),
                     "overlap": plan.options.get("overlap", True),
                     "mixed_precision": Precision.from_plan(plan.options.get("mixed_precision")),
-                    **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers", "mesh_dims")
-                       if k in plan.options}}
+                    **{k: plan.options[k] for k in ("bucket_cap_mb", "prefetch_layers", "mesh_dims",
+                                                    "micro_batches", "schedule") if k in plan.options}}
         return cls(**{**recorded, **overrides})
 
     def problem_overlap(self, device) -> dict[str, Any]:

@@ -130,8 +130,11 @@ class PipelineStages:
         start = time.perf_counter()
         best, tried, smallest = None, [], None
         for m in _micro_batch_counts(graphs.inputs, len(groups), options.micro_batches):
-            captured = graphs.at_rows(graphs.inputs[0].shape[0] // m)
-            stages = StageCosts(captured, cluster, groups, m, options)
+            rows = graphs.inputs[0].shape[0] // m
+            captured = graphs.at_rows(rows)
+            # the chunks' plans, kept with the graphs: every search of them at this size reuses them
+            plans = graphs.derived(("stage_plans", rows, dataclasses.replace(options, baselines=False)), dict)
+            stages = StageCosts(captured, cluster, groups, m, options, plans)
             if len(stages.layers) < len(groups):
                 raise AutoparError(ErrorKind.BAD_INPUT,
                                    f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "

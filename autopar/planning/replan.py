@@ -21,8 +21,6 @@ from autopar.planning.costing import recost
 from autopar.planning.pipeline import recost_pipeline
 from autopar.planning.migration import Migration, migration
 from autopar.planning.options import MeshBounds, PlanOptions
-from autopar.passes.layer_recompute import recompute_mode
-from autopar.passes.stages import layer_order
 from autopar.units import format_bytes, format_seconds
 
 
@@ -93,9 +91,10 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
 
 
 def known_bounds(graphs, old: Plan, cluster: Cluster) -> MeshBounds | None:
-    """The old one-mesh search's lower bound on each mesh, turned into one valid on ``cluster``
-    when only link speeds changed (same devices, hosts, regions and memory: the plan's
-    ``topology`` digest); None otherwise, or for a plan that records no links.
+    """The old one-mesh search's lower bound on each mesh (``old.families["one_mesh"]``'s
+    ``mesh_bounds``, whichever family won), turned into one valid on ``cluster`` when only
+    link speeds changed (same devices, hosts, regions and memory: the plan's ``topology``
+    digest); None otherwise, or for a plan that records no links or bounds.
 
     Why it holds: every communication time is alpha-beta (autopar.comm: bytes / bandwidth +
     latencies, over an efficiency; the faster of ring and tree), so a link ``k`` times faster
@@ -106,18 +105,15 @@ def known_bounds(graphs, old: Plan, cluster: Cluster) -> MeshBounds | None:
     the problem the old search solved: the recompute mode it was made with, no pinned
     configuration (its bounds are the configuration's), and the same sparse-table densities
     (the graphs it was made from, or a model without sparse tables)."""
-    if old.family != "one_mesh" or old.cluster.get("topology") != cluster.topology_digest() \
+    recorded = old.families.get("one_mesh", {}).get("mesh_bounds")
+    if recorded is None or old.cluster.get("topology") != cluster.topology_digest() \
             or "configuration" in old.options or (old.sparse and graphs is not old.graphs):
         return None
     speedup = link_speedup(old.cluster.get("links"), cluster)
     if speedup is None:
         return None
-    try:
-        mode = recompute_mode(layer_order(graphs.full.graph), old.recompute)
-    except ValueError:
-        return None
-    return MeshBounds(mode, tuple((tuple(c["mesh_shape"]), c["bound_s"] / speedup) for c in old.mesh_candidates
-                                  if c.get("bound_s") is not None))
+    return MeshBounds(recorded["recompute"], tuple((tuple(shape), bound / speedup)
+                                                   for shape, bound in recorded["bounds"]))
 
 
 def link_speedup(recorded: dict | None, cluster: Cluster) -> float | None:

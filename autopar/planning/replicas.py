@@ -35,7 +35,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.placements import split_over
 from autopar.plan import Plan, ReplicaPlan, TensorSpec
 from autopar.planning.costing import recost
-from autopar.planning.one_mesh import make_plan
+from autopar.planning.one_mesh import group_plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import first_that_fits, groups_unavailable
 from autopar.units import format_bytes
@@ -90,14 +90,13 @@ class ReplicaGroups:
         start = time.perf_counter()
         if options.batch_split is None:
             share = max(1, batch // len(groups))
-            speeds = [1.0 / make_plan(graphs.at_rows(share), g.cluster, options, baselines=False).predicted_step_s
-                      for g in groups]
+            speeds = [1.0 / group_plan(graphs, share, g.cluster, options).predicted_step_s for g in groups]
             split = proportional_split(batch, speeds)
         else:
             split = tuple(int(b) for b in options.batch_split)
             check_batch_split(split, cluster, batch)
         main = max(range(len(groups)), key=lambda g: split[g])
-        shared = make_plan(graphs.at_rows(split[main]), groups[main].cluster, options, baselines=False)
+        shared = group_plan(graphs, split[main], groups[main].cluster, options)
         replicas, times = [], []
         for group, rows in zip(groups, split):
             step_s, memory = recost(graphs.at_rows(rows), shared, group.cluster, options.optimizer)

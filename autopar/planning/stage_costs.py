@@ -25,7 +25,7 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import MemoryBreakdown, Plan, StagePlan, TensorSpec
-from autopar.planning.one_mesh import make_plan
+from autopar.planning.one_mesh import plan_or_no_fit, make_plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.schedules import Layout
 from autopar.passes.build_problem import gradient_path
@@ -43,7 +43,7 @@ class StageCosts:
     """Stage plans for one micro-batch size, solved once per distinct stage."""
 
     def __init__(self, captured: Captured, cluster: Cluster, groups: list[DeviceGroup], micro_batches: int,
-                 options: PlanOptions) -> None:
+                 options: PlanOptions, plans: dict | None = None) -> None:
         annotate_costs(captured.graph)
         annotate_saved(captured.graph)
         for node in captured.graph.nodes:  # stage graphs copy meta: strategies enumerated once per mesh
@@ -57,6 +57,10 @@ class StageCosts:
         self._state = set(captured.parameter_of) | set(captured.buffer_of)
         # stage key -> (time, (i, j) it was solved for, its plan with send time, or the error)
         self._memo: dict[tuple, tuple[float, tuple[int, int], tuple[Plan, float] | AutoparError]] = {}
+        # (i, j, g, the group's cluster, micro-batches in flight) -> the chunk's intra-operator plan
+        # (or why it does not fit): shared by the searches of these graphs at this micro-batch size
+        # (``plans``), so a re-plan whose WAN link changed re-costs only the sends between groups
+        self._plans = {} if plans is None else plans
 
     def timer(self, layout: Layout) -> Callable[[int, int, int], StageTime]:
         """``(i, j, g) ->`` the per-micro-batch time of chunk ``g`` of ``layout`` over layers
@@ -163,14 +167,21 @@ class StageCosts:
     def stage(self, i: int, j: int, g: int, layout: Layout) -> tuple[Plan, tuple[float, float]]:
         """Intra-operator plan of layers ``[i, j)`` on chunk ``g``'s group (within its share
         of the devices' memory), and its link's busy time and latency per micro-batch."""
-        part = self._piece(i, j, g)
         group = self.groups[layout.group_of(g)]
         cluster = group.cluster if layout.memory_share() == 1 else dataclasses.replace(
             group.cluster, memory_limit_bytes=group.cluster.memory_limit_bytes // layout.memory_share())
-        plan = make_plan(part, cluster, self.options, baselines=False,
-                         activation_copies=layout.in_flight(g, self.micro_batches), annotate=False)
-        send_s = self._send_s([n.meta["val"] for n in part.graph.output_node().all_input_nodes],
-                              layout.group_of(g), layout.group_of(g + 1)) if j < len(self.layers) else (0.0, 0.0)
+        in_flight = layout.in_flight(g, self.micro_batches)
+        key = (i, j, g, cluster.fingerprint(), in_flight)
+        if key not in self._plans:
+            part = self._piece(i, j, g)
+            boundary = [n.meta["val"] for n in part.graph.output_node().all_input_nodes]
+            self._plans[key] = (plan_or_no_fit(make_plan, part, cluster, self.options, baselines=False,
+                                                activation_copies=in_flight, annotate=False), boundary)
+        plan, boundary = self._plans[key]
+        if isinstance(plan, AutoparError):
+            raise plan
+        send_s = self._send_s(boundary, layout.group_of(g), layout.group_of(g + 1)) if j < len(self.layers) \
+            else (0.0, 0.0)
         return plan, send_s
 
     def _send_s(self, vals: list[torch.Tensor], s: int, t: int) -> tuple[float, float]:

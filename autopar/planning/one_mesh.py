@@ -178,9 +178,8 @@ class MeshSearch:
             if tuple(mesh.shape) in known and not self._warm(mesh):  # built if best() reaches it
                 prepared.append((known[tuple(mesh.shape)], order, mesh, None, None))
                 continue
-            annotate_strategies(captured, mesh.shape, skip=self.repeated)
-            problem, index = self._problem(mesh)
-            prepared.append((self.engine.lower_bound(problem), order, mesh, problem, index))
+            bound, problem, index = self._bounded_problem(mesh)
+            prepared.append((bound, order, mesh, problem, index))
         # by bound, then the simpler mesh; a warm start's mesh first (its incumbent prunes the rest)
         self.prepared = sorted(prepared, key=lambda p: (not self._warm(p[2]), *p[:2]))
         self._deferred: dict[int, tuple[float, ShardingProblem, ProblemIndex]] = {}  # built after all
@@ -305,19 +304,24 @@ class MeshSearch:
                 or len(best.mesh.shape) != 2:
             return
         for order, mesh in enumerate(three_dim_refinements(self.cluster, best.mesh.shape), start=len(self.prepared)):
-            annotate_strategies(self.captured, mesh.shape, skip=self.repeated)
-            problem, index = self._problem(mesh)
-            yield self.engine.lower_bound(problem), order, mesh, problem, index
+            bound, problem, index = self._bounded_problem(mesh)
+            yield bound, order, mesh, problem, index
 
     def _deferred_problem(self, order: int, mesh: MeshSpec, known: float
                           ) -> tuple[float, ShardingProblem, ProblemIndex]:
         """The problem of a mesh left unbuilt for its ``known`` bound, made once: (the larger of
         that bound and its relaxation's, the problem, its index)."""
         if order not in self._deferred:
-            annotate_strategies(self.captured, mesh.shape, skip=self.repeated)
-            problem, index = self._problem(mesh)
-            self._deferred[order] = (max(known, self.engine.lower_bound(problem)), problem, index)
+            bound, problem, index = self._bounded_problem(mesh)
+            self._deferred[order] = (max(known, bound), problem, index)
         return self._deferred[order]
+
+    def _bounded_problem(self, mesh: MeshSpec) -> tuple[float, ShardingProblem, ProblemIndex]:
+        """``mesh``'s problem (its strategies annotated first: the graph holds one mesh's at a
+        time), with its relaxation's bound and its index."""
+        annotate_strategies(self.captured, mesh.shape, skip=self.repeated)
+        problem, index = self._problem(mesh)
+        return self.engine.lower_bound(problem), problem, index
 
     def _ahead(self, position: int) -> Iterator[None]:
         """Build the unbuilt meshes after ``position`` in the search order, one per step: what

@@ -37,6 +37,7 @@ from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
 from autopar.passes.context_parallel import causal_imbalance, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
+from autopar.passes.embedding_bag import id_indexed
 from autopar.passes.expert_dispatch import add_expert_dispatch
 from autopar.passes.layer_recompute import recomputed_layers
 from autopar.passes.memory import SAVED_KEY
@@ -122,6 +123,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     grad_nodes = gradient_path(graph, captured)
     members = expert_members(graph)
     tables = table_wise_tables(graph)
+    id_counts = id_indexed(graph)
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     own_comm, forward_compute, node_group, group_of = [], [], [], {}  # overlap (autopar.problem)
     parameter_memory: dict[int, list[ParameterBytes]] = {}
@@ -143,7 +145,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             kind = ("param" if node.name in captured.parameter_of else
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
-            options = _leaf_strategies(val, mesh.shape) if kind != "buffer" else [Strategy((pl.replicated(len(mesh.shape)),), ())]
+            options = _leaf_strategies(val, mesh.shape, whole_rows=node.name in id_counts) if kind != "buffer" \
+                else [Strategy((pl.replicated(len(mesh.shape)),), ())]
             if node.name in members:  # a batched expert's weight may live on its owner only
                 options += [Strategy((p,), ()) for p in owned_leaf_options(
                     [s.outputs[0] for s in options], members[node.name][1], mesh.shape)]
@@ -351,9 +354,13 @@ def annotate_strategies(captured: Captured, mesh_shape: tuple[int, ...], skip: d
     add_expert_dispatch(captured.graph, mesh_shape)
 
 
-def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...], whole_rows: bool = False) -> list[Strategy]:
+    """An input's or parameter's placements; ``whole_rows``: its first dim never split (a batch's
+    id count, passes.embedding_bag.id_indexed)."""
     options = []
     for combo in itertools.product(*[leaf_candidates(val, partial=False)] * len(mesh_shape)):
+        if whole_rows and any(p.is_shard and p.dim == 0 for p in combo):
+            continue
         if evenly_sharded(val.shape, combo, mesh_shape):
             options.append(Strategy((tuple(combo),), ()))
     return options

@@ -14,9 +14,10 @@ and the offsets as an input — become the lookup of every id, ``(N, dim)``, sum
 by ``autopar::pool_rows`` (passes.bag_pooling) with each id's bag number from
 ``repeat_interleave(lengths)`` (``output_size`` N, so every shape stays fixed), divided by the
 bag's length for ``mean`` (an empty bag is zeros, as EmbeddingBag gives). The lookup is what
-the sparse planning shards and exchanges; the pooling splits with it — the ids split evenly
-over devices, each pooling its rows into partial bags then reduced or reduce-scattered by
-bag (TorchRec's row-wise output), or the columns split. ``max`` mode, ``padding_idx`` and
+the sparse planning shards and exchanges; the pooling splits with it — the rows partial (a
+row-wise table), pooled into partial bags then reduced or reduce-scattered by bag
+(TorchRec's row-wise output), or the columns split. The ids are never split by position
+(:func:`id_indexed`): their count changes with every batch. ``max`` mode, ``padding_idx`` and
 ``scale_grad_by_freq`` stay as they are (they run replicated and forward-only; a warning says
 so).
 """
@@ -140,6 +141,34 @@ def _rewrite_jagged(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> No
             count = add(aten.clamp_min.default, add(aten.unsqueeze.default, lengths, -1), 1)
             pooled = add(aten.div.Tensor, pooled, count)
     _replace_pooled(graph, node, pooled)
+
+
+def id_indexed(graph: torch.fx.Graph) -> set[str]:
+    """Nodes whose first dim runs over a batch's ids in bags of varying size: the ids and
+    per-sample weights, what is computed from them id by id (their lookup, the weighted rows,
+    each id's bag number) up to the pooling (``autopar::pool_rows``). That dim's size is the
+    batch's id count, which changes from batch to batch; a plan that split it by position
+    would hold only while the count divides over the devices (the next batch of 33 ids on 2
+    devices fails), so strategies never split it (passes.strategies). The walk goes back from
+    each pooling's rows and bag numbers through nodes of that first-dim size; it does not
+    cross into a lookup's table or from the bag numbers into the bags' lengths."""
+    found: set[str] = set()
+    for pool in graph.nodes:
+        if pool.op != "call_function" or pool.target is not POOL_ROWS:
+            continue
+        count = pool.args[0].meta["val"].shape[0]
+        stack = [pool.args[0], pool.args[1]]
+        while stack:
+            node = stack.pop()
+            val = node.meta.get("val")
+            if node.name in found or not isinstance(val, torch.Tensor) or val.dim() == 0 or val.shape[0] != count:
+                continue
+            found.add(node.name)
+            if node.target is aten.embedding.default:
+                stack.append(node.args[1])  # the ids, not the table
+            elif node.target is not aten.repeat_interleave.Tensor:  # its input counts bags
+                stack.extend(node.all_input_nodes)
+    return found
 
 
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, bag: int, fake_mode) -> None:

@@ -51,6 +51,7 @@ from autopar import placements as pl
 from autopar.passes.context_parallel import SEQUENCE_SPLIT, balanced_twins, context_rule
 from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
+from autopar.passes.embedding_bag import id_indexed
 
 log = logging.getLogger(__name__)
 
@@ -256,6 +257,7 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
     of a repeated layer, which take their representative's)."""
     cache: dict = {}
     varying = {n.name for n in graph.nodes if n.op == "placeholder"}
+    counts = id_indexed(graph)  # dim 0 a batch's id count: never split
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -273,6 +275,8 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
                 node.meta[FALLBACK_KEY] = True
             continue
         _enumerate_node(node, mesh_shape, node.name not in varying, cache)
+        if counts:
+            node.meta[STRATEGIES_KEY] = keep_id_counts_whole(node, node.meta[STRATEGIES_KEY], counts)
         if memo is not None:
             memo[memo_key] = (node.meta.get(FALLBACK_KEY, False), node.meta[STRATEGIES_KEY])
 
@@ -304,6 +308,18 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
         strategies = [s for s in strategies if sum(p == SEQUENCE_SPLIT for p in s.outputs[0]) <= 1]
         strategies += balanced_twins(node, strategies, mesh_shape)
     node.meta[STRATEGIES_KEY] = strategies
+
+
+def keep_id_counts_whole(node: torch.fx.Node, strategies: list[Strategy], counts: set[str]) -> list[Strategy]:
+    """``strategies`` of ``node`` that split no id-indexed tensor (passes.embedding_bag.id_indexed)
+    on its first dim, output or input (the replicated strategy always remains)."""
+    outputs = [node.name in counts] * len(output_vals(node))
+    inputs = outputs if node.target is operator.getitem else [a.name in counts for a in tensor_args(node)]
+    if not any(outputs) and not any(inputs):
+        return strategies
+    return [s for s in strategies
+            if not any(whole and spec is not None and any(d == 0 for _, d in pl.sharded_dims(spec))
+                       for whole, spec in zip((*outputs, *inputs), (*s.outputs, *s.inputs)))]
 
 
 def batch_only_dims(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -20,8 +20,10 @@ from autopar.comm import all_to_all_s
 from autopar.mesh import checked_mesh
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
+from autopar.passes.embedding_bag import id_indexed
 from autopar.passes.memory import SAVED_KEY, annotate_saved
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
+from autopar.passes.strategies import tensor_args
 from autopar.planning.costing import communication_bytes, recost
 from autopar.report import sparse_table
 from distributed import run_world
@@ -132,6 +134,76 @@ def test_jagged_dlrm_trains_like_one_process(world):
     cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}) for case in JAGGED]
     exchanges = assert_equivalent(cases, run_world(world, run_cases, cases))
     assert {"row_sharded", "column_sharded"} <= exchanges, exchanges
+
+
+def test_no_plan_splits_a_batch_s_ids_by_position():
+    """A batch's id count changes with every batch: no plan splits the ids, their weights,
+    lookup or bag numbers on that dim (it would hold only while the count divides), on 1-D and
+    2-D meshes, memory squeezed or not."""
+    torch.manual_seed(0)
+    model = models.JaggedDLRM()
+    inputs = models.jagged_dlrm_inputs(model, 16)
+    captured = capture(model, inputs)
+    id_nodes = id_indexed(captured.graph)
+    assert {"ids0", "weights0", "ids1", "ids2"} <= id_nodes, id_nodes
+    assert sum(name.startswith("repeat_interleave") for name in id_nodes) == 3, id_nodes
+    assert not any(name.startswith("offsets") for name in id_nodes)  # they count bags, which may split
+    full = autopar.plan(model, inputs, cluster="4xcpu")
+    for options in ({"configuration": "ddp"}, {"memory_limit": int(0.6 * full.memory.total_bytes)},
+                    {"cluster": "2x2xH100"}):
+        plan = autopar.plan(model, inputs, **{"cluster": "4xcpu", **options})
+        placed = []  # (tensor, its placement) for every node's outputs and tensor inputs
+        for node in captured.graph.nodes:
+            planned = plan.nodes.get(node.name)
+            if planned is not None:
+                placed += [(node.name, spec) for spec in planned.outputs]
+                placed += list(zip([a.name for a in tensor_args(node)], planned.inputs))
+        assert {"ids0", "embedding_default"} <= {name for name, _ in placed}, placed
+        split = [(name, spec) for name, spec in placed if name in id_nodes and "S(0)" in str(spec)]
+        assert not split, (options, split)
+
+
+def _varying_id_counts(world: int) -> dict:
+    """JaggedDLRM trained on batches of 16 bags whose id counts differ (odd ones among them),
+    under DDP, row-wise tables and the chosen plan: worst errors against one process."""
+    import copy
+
+    import torch.nn.functional as F
+
+    found = {}
+    for name, options in (("ddp", {"configuration": "ddp"}), ("row_wise", {"configuration": "row_wise"}),
+                          ("chosen", {})):
+        torch.manual_seed(0)
+        model = models.JaggedDLRM()
+        reference = copy.deepcopy(model)
+        pmodel = autopar.parallelize(model, models.jagged_dlrm_inputs(model, 16, seed=1), cluster=f"{world}xcpu",
+                                     loss_fn=F.mse_loss, **options)
+        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
+        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        errors = {"loss": 0.0, "param": 0.0, "id_counts": []}
+        for seed in (1, 2, 3, 5):
+            inputs, target = models.jagged_dlrm_inputs(model, 16, seed=seed), torch.randn(16, 1)
+            errors["id_counts"].append(inputs[1].numel())
+            loss = pmodel.step(*inputs, target=target)
+            ref_loss = F.mse_loss(reference(*inputs), target)
+            ref_loss.backward()
+            optimizer.step(), ref_optimizer.step()
+            optimizer.zero_grad(), ref_optimizer.zero_grad()
+            errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()))
+        state, ref = pmodel.full_state_dict(), dict(reference.named_parameters())
+        errors["param"] = max((state[n] - p.detach()).abs().max().item() for n, p in ref.items())
+        found[name] = errors
+    return found
+
+
+@pytest.mark.distributed
+def test_jagged_dlrm_keeps_training_when_a_batch_s_id_count_changes():
+    """Batches of 16 bags holding 48, 36, 33 and 36 ids: every one trains like one process
+    (the third's 33 ids would not divide over 2 devices had the plan split them)."""
+    found = run_world(2, _varying_id_counts, 2)
+    for name, errors in found.items():
+        assert errors["id_counts"] == [48, 36, 33, 36], errors
+        assert errors["loss"] < 1e-5 and errors["param"] < 1e-5, (name, errors)
 
 
 def test_touched_rows_come_from_user_inputs_or_uniform_draws():

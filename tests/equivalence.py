@@ -55,8 +55,9 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
     inputs = tuple(x.to(getattr(torch, dtype)) if x.is_floating_point() else x for x in raw_inputs)
     options = dict(options)
     fraction = options.pop("memory_fraction", None)
+    made = None  # rank 0's plan for these options, when the squeeze below already made it
     if fraction is not None:  # squeeze memory below the unconstrained plan's footprint to force sharding
-        limit = [None, options.get("recompute")]
+        limit = [None, options.get("recompute"), None]
         if dist.get_rank() == 0:
             same = {"cluster": options["cluster"], "mesh_shape": options.get("mesh_shape"),
                     "mixed_precision": options.get("mixed_precision")}
@@ -64,13 +65,18 @@ def check_case(model_name: str, kwargs: dict, input_kind: str, batch: int, optio
             limit[0] = int(fraction * ample.memory.total_bytes)
             if limit[1] is None:  # met by sharding rather than by recomputing, where sharding alone fits
                 try:
-                    autopar.plan(model, inputs, **same, memory_limit=limit[0], recompute="none")
+                    squeezed = autopar.plan(model, inputs, **same, memory_limit=limit[0], recompute="none")
                     limit[1] = "none"
+                    if set(options) <= set(same):  # the plan parallelize would make: not made twice
+                        limit[2] = squeezed.to_json()
                 except autopar.AutoparError:
                     limit[1] = "auto"
         dist.broadcast_object_list(limit, src=0)
-        options["memory_limit"], options["recompute"] = limit
-    pmodel = autopar.parallelize(model, inputs, **options)
+        options["memory_limit"], options["recompute"], made = limit
+    if made is not None:
+        pmodel = autopar.apply(model, autopar.Plan.from_json(made))
+    else:
+        pmodel = autopar.parallelize(model, inputs, **options)
     params = dict(pmodel.named_parameters(remove_duplicate=False))  # tied weights under every name
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
     assert set(params) == set(ref_params), set(params) ^ set(ref_params)

@@ -50,8 +50,8 @@ from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.stages import layer_order, node_layer
 from autopar.passes.strategy_exchanges import exchange_s
 from autopar.passes.strategies import (
-    FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, leaf_candidates, output_vals,
-    work_split)
+    FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, keep_id_counts_whole,
+    leaf_candidates, output_vals, work_split)
 
 SAVED_CLASSES = ("matmul", "attention")  # what selective recomputation keeps (passes.recompute saves them)
 OUTPUT = "<output>"
@@ -145,7 +145,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             kind = ("param" if node.name in captured.parameter_of else
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
-            options = _leaf_strategies(val, mesh.shape, whole_rows=node.name in id_counts) if kind != "buffer" \
+            options = keep_id_counts_whole(node, _leaf_strategies(val, mesh.shape), id_counts) if kind != "buffer" \
                 else [Strategy((pl.replicated(len(mesh.shape)),), ())]
             if node.name in members:  # a batched expert's weight may live on its owner only
                 options += [Strategy((p,), ()) for p in owned_leaf_options(
@@ -354,13 +354,9 @@ def annotate_strategies(captured: Captured, mesh_shape: tuple[int, ...], skip: d
     add_expert_dispatch(captured.graph, mesh_shape)
 
 
-def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...], whole_rows: bool = False) -> list[Strategy]:
-    """An input's or parameter's placements; ``whole_rows``: its first dim never split (a batch's
-    id count, passes.embedding_bag.id_indexed)."""
+def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Strategy]:
     options = []
     for combo in itertools.product(*[leaf_candidates(val, partial=False)] * len(mesh_shape)):
-        if whole_rows and any(p.is_shard and p.dim == 0 for p in combo):
-            continue
         if evenly_sharded(val.shape, combo, mesh_shape):
             options.append(Strategy((tuple(combo),), ()))
     return options

@@ -311,8 +311,9 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
 
 
 def keep_id_counts_whole(node: torch.fx.Node, strategies: list[Strategy], counts: set[str]) -> list[Strategy]:
-    """``strategies`` of ``node`` that split no id-indexed tensor (passes.embedding_bag.id_indexed)
-    on its first dim, output or input (the replicated strategy always remains)."""
+    """``strategies`` of ``node`` (an op, or an input's placements) that split no id-indexed
+    tensor (passes.embedding_bag.id_indexed) on its first dim, output or input (the
+    replicated strategy always remains)."""
     outputs = [node.name in counts] * len(output_vals(node))
     inputs = outputs if node.target is operator.getitem else [a.name in counts for a in tensor_args(node)]
     if not any(outputs) and not any(inputs):

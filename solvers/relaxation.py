@@ -48,17 +48,11 @@ class LpRelaxation:
         bounded = formulation.num_binary
         for v in range(formulation.num_variables):  # z (overlap, seconds) are unbounded
             model.variable.add(lower_bound=0.0, upper_bound=1.0 if v < bounded else math.inf)
-        memory_rows = []
-        for family, rows in (("rows", chain(formulation.one_strategy(), formulation.edge_consistency())),
-                             ("memory", formulation.memory()), ("rows", formulation.overlap())):
-            for row in rows:
-                terms = _summed(row)
-                constraint = model.constraint.add(lower_bound=row.lo / row.unit, upper_bound=row.hi / row.unit,
-                                                  name=row.name)
-                constraint.var_index.extend(terms)
-                constraint.coefficient.extend(terms.values())
-                if family == "memory":
-                    memory_rows.append(terms)
+        for row in chain(formulation.one_strategy(), formulation.edge_consistency()):
+            _add_row(model, row)
+        memory_terms = [_add_row(model, row) for row in formulation.memory()]
+        for row in formulation.overlap():
+            _add_row(model, row)
         status = self.solver.LoadModelFromProtoKeepNames(model)
         if status:
             raise RuntimeError(f"GLOP refused the relaxation's model: {status}")
@@ -66,11 +60,7 @@ class LpRelaxation:
         self.x = [[variables[v] for v in row] for row in formulation.x]
         self._x_flat = variables[:formulation.num_x]  # x come first
         self._binary = variables[:formulation.num_binary]
-        memory = {}
-        for terms in memory_rows:
-            for v, c in terms.items():
-                memory[v] = memory.get(v, 0.0) + c
-        self.memory_terms = [(variables[v], c) for v, c in memory.items()]
+        self.memory_terms = [(variables[v], c) for terms in memory_terms for v, c in terms.items()]
         coefficients = [0.0] * formulation.num_variables
         for v, c in zip(formulation.objective_vars, formulation.objective_coeffs):
             coefficients[v] += c  # a folded edge's cost adds to its x's
@@ -162,6 +152,15 @@ class LpRelaxation:
         for var, c in terms:
             self.objective.SetCoefficient(var, c)
         self.objective.SetMinimization()
+
+
+def _add_row(model: linear_solver_pb2.MPModelProto, row: Row) -> dict[int, float]:
+    """Add ``row`` to ``model`` in its unit; its terms (:func:`_summed`)."""
+    terms = _summed(row)
+    constraint = model.constraint.add(lower_bound=row.lo / row.unit, upper_bound=row.hi / row.unit, name=row.name)
+    constraint.var_index.extend(terms)
+    constraint.coefficient.extend(terms.values())
+    return terms
 
 
 def _summed(row: Row) -> dict[int, float]:

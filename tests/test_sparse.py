@@ -1,5 +1,6 @@
-"""Sparse parameters (issue 7): embedding-bag rewrite, access density, exchange choice and
-Parallax's closed-form volumes, and the DLRM equivalence in real gloo processes."""
+"""Sparse parameters (issue 7): access density, exchange choice and Parallax's closed-form
+volumes, and the DLRM equivalence in real gloo processes (embedding bags themselves:
+tests/test_embedding_bags.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,7 @@ from autopar.comm import all_to_all_s
 from autopar.mesh import checked_mesh
 from autopar.errors import AutoparError, ErrorKind
 from autopar.passes.capture import capture
-from autopar.passes.embedding_bag import id_indexed
-from autopar.passes.memory import SAVED_KEY, annotate_saved
 from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
-from autopar.passes.strategies import tensor_args
 from autopar.planning.costing import communication_bytes, recost
 from autopar.report import sparse_table
 from distributed import run_world
@@ -34,176 +32,6 @@ def _lookups(model, inputs, sparsity=None) -> dict:
     captured = capture(model, inputs)
     annotate_lookups(captured, inputs, sparsity)
     return {n.meta[LOOKUP_KEY].parameter: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
-
-
-@pytest.mark.parametrize("mode,weighted", [("sum", False), ("mean", False), ("sum", True)])
-def test_fixed_bags_rewrite_matches_embedding_bag_forward_and_backward(mode, weighted):
-    torch.manual_seed(0)
-    bag = nn.EmbeddingBag(50, 6, mode=mode)
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bag = bag
-
-        def forward(self, ids, weights):
-            return self.bag(ids, per_sample_weights=weights if weighted else None)
-
-    model = Model()
-    ids, weights = torch.randint(0, 50, (8, 3)), torch.rand(8, 3)
-    captured = capture(model, (ids, weights))
-    targets = {n.target for n in captured.graph.nodes if n.op == "call_function"}
-    assert torch.ops.aten.embedding_bag.default not in targets
-    assert torch.ops.aten.embedding.default in targets
-    rewritten = captured.program.module()
-    out = rewritten(ids, weights)
-    expected = model(ids, weights)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
-    # trainable now: the rewritten lookup has a gradient equal to EmbeddingBag's
-    out.square().sum().backward()
-    expected.square().sum().backward()
-    grad = dict(rewritten.named_parameters())["bag.weight"].grad
-    torch.testing.assert_close(grad, bag.weight.grad, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("mode,last,weighted", [("sum", False, False), ("sum", False, True), ("mean", False, False),
-                                                ("sum", True, True), ("mean", True, False)])
-def test_jagged_bags_rewrite_matches_embedding_bag_forward_and_backward(mode, last, weighted):
-    """Bags given by offsets (1-D ids, bags of 3, 0, 4 and 3 ids): every id looked up and
-    summed into its bag; an empty bag is zeros, as EmbeddingBag gives."""
-    torch.manual_seed(0)
-    bag = nn.EmbeddingBag(50, 6, mode=mode, include_last_offset=last)
-
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.bag = bag
-
-        def forward(self, ids, offsets, weights):
-            return self.bag(ids, offsets, per_sample_weights=weights if weighted else None)
-
-    model = Model()
-    ids, weights = torch.randint(0, 50, (10,)), torch.rand(10)
-    offsets = torch.tensor([0, 3, 3, 7] + ([10] if last else []))
-    captured = capture(model, (ids, offsets, weights))
-    targets = {n.target for n in captured.graph.nodes if n.op == "call_function"}
-    assert not targets & {torch.ops.aten.embedding_bag.default, torch.ops.aten._embedding_bag.default,
-                          torch.ops.aten._embedding_bag_forward_only.default}, targets
-    rewritten = captured.program.module()
-    out, expected = rewritten(ids, offsets, weights), model(ids, offsets, weights)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
-    assert out[1].abs().max() == 0  # the empty bag
-    out.square().sum().backward()
-    expected.square().sum().backward()
-    torch.testing.assert_close(dict(rewritten.named_parameters())["bag.weight"].grad, bag.weight.grad, rtol=0,
-                               atol=1e-5)
-
-
-def test_jagged_bags_pool_where_their_table_is_split():
-    """Under a memory limit the large tables are split by columns; each device then pools its
-    columns of every bag (``autopar::pool_rows``), not the whole rows gathered first; the
-    pooling keeps only the rows' bag numbers for backward, not the looked-up rows."""
-    torch.manual_seed(0)
-    model = models.JaggedDLRM()
-    inputs = models.jagged_dlrm_inputs(model, 16)
-    full = autopar.plan(model, inputs, cluster="2xcpu")
-    plan = autopar.plan(model, inputs, cluster="2xcpu", memory_limit=int(0.6 * full.memory.total_bytes))
-    pools = {name: node for name, node in plan.nodes.items() if name.startswith("pool_rows")}
-    assert len(pools) == 3
-    split = [name for name, node in pools.items() if node.outputs == ("S(1)",)]
-    assert split and all(node.inputs[0] == "S(1)" for name, node in pools.items() if name in split), pools
-    assert plan.parameters["embeddings.0.weight"].exchange == "column_sharded"
-    captured = capture(model, inputs)
-    annotate_saved(captured.graph)
-    pooled_rows = [n.args[0] for n in captured.graph.nodes if n.name in pools]
-    assert len(pooled_rows) == 3 and not any(rows.meta[SAVED_KEY][0] for rows in pooled_rows)
-
-
-JAGGED = [("JaggedDLRM", {}, "jagged", 16, options) for options in (
-    {"configuration": "ddp"}, {"configuration": "row_wise"}, {"memory_fraction": 0.6})]
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
-def test_jagged_dlrm_trains_like_one_process(world):
-    """DLRM fed as TorchRec feeds it (1-D ids + offsets, bags of 0–5 ids, sum with
-    per-sample weights, mean, include_last_offset) trains on gloo like one process: DDP,
-    tables row-sharded with lookups routed to the rows' owners, and under a memory limit —
-    where the largest table is split by columns and its bags pooled by columns
-    (``autopar::pool_rows``' rule; before, the pooling ran replicated on gathered rows)."""
-    cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}) for case in JAGGED]
-    exchanges = assert_equivalent(cases, run_world(world, run_cases, cases))
-    assert {"row_sharded", "column_sharded"} <= exchanges, exchanges
-
-
-def test_no_plan_splits_a_batch_s_ids_by_position():
-    """A batch's id count changes with every batch: no plan splits the ids, their weights,
-    lookup or bag numbers on that dim (it would hold only while the count divides), on 1-D and
-    2-D meshes, memory squeezed or not."""
-    torch.manual_seed(0)
-    model = models.JaggedDLRM()
-    inputs = models.jagged_dlrm_inputs(model, 16)
-    captured = capture(model, inputs)
-    id_nodes = id_indexed(captured.graph)
-    assert {"ids0", "weights0", "ids1", "ids2"} <= id_nodes, id_nodes
-    assert sum(name.startswith("repeat_interleave") for name in id_nodes) == 3, id_nodes
-    assert not any(name.startswith("offsets") for name in id_nodes)  # they count bags, which may split
-    full = autopar.plan(model, inputs, cluster="4xcpu")
-    for options in ({"configuration": "ddp"}, {"memory_limit": int(0.6 * full.memory.total_bytes)},
-                    {"cluster": "2x2xH100"}):
-        plan = autopar.plan(model, inputs, **{"cluster": "4xcpu", **options})
-        placed = []  # (tensor, its placement) for every node's outputs and tensor inputs
-        for node in captured.graph.nodes:
-            planned = plan.nodes.get(node.name)
-            if planned is not None:
-                placed += [(node.name, spec) for spec in planned.outputs]
-                placed += list(zip([a.name for a in tensor_args(node)], planned.inputs))
-        assert {"ids0", "embedding_default"} <= {name for name, _ in placed}, placed
-        split = [(name, spec) for name, spec in placed if name in id_nodes and "S(0)" in str(spec)]
-        assert not split, (options, split)
-
-
-def _varying_id_counts(world: int) -> dict:
-    """JaggedDLRM trained on batches of 16 bags whose id counts differ (odd ones among them),
-    under DDP, row-wise tables and the chosen plan: worst errors against one process."""
-    import copy
-
-    import torch.nn.functional as F
-
-    found = {}
-    for name, options in (("ddp", {"configuration": "ddp"}), ("row_wise", {"configuration": "row_wise"}),
-                          ("chosen", {})):
-        torch.manual_seed(0)
-        model = models.JaggedDLRM()
-        reference = copy.deepcopy(model)
-        pmodel = autopar.parallelize(model, models.jagged_dlrm_inputs(model, 16, seed=1), cluster=f"{world}xcpu",
-                                     loss_fn=F.mse_loss, **options)
-        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=1e-2)
-        ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        errors = {"loss": 0.0, "param": 0.0, "id_counts": []}
-        for seed in (1, 2, 3, 5):
-            inputs, target = models.jagged_dlrm_inputs(model, 16, seed=seed), torch.randn(16, 1)
-            errors["id_counts"].append(inputs[1].numel())
-            loss = pmodel.step(*inputs, target=target)
-            ref_loss = F.mse_loss(reference(*inputs), target)
-            ref_loss.backward()
-            optimizer.step(), ref_optimizer.step()
-            optimizer.zero_grad(), ref_optimizer.zero_grad()
-            errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()))
-        state, ref = pmodel.full_state_dict(), dict(reference.named_parameters())
-        errors["param"] = max((state[n] - p.detach()).abs().max().item() for n, p in ref.items())
-        found[name] = errors
-    return found
-
-
-@pytest.mark.distributed
-def test_jagged_dlrm_keeps_training_when_a_batch_s_id_count_changes():
-    """Batches of 16 bags holding 48, 36, 33 and 36 ids: every one trains like one process
-    (the third's 33 ids would not divide over 2 devices had the plan split them)."""
-    found = run_world(2, _varying_id_counts, 2)
-    for name, errors in found.items():
-        assert errors["id_counts"] == [48, 36, 33, 36], errors
-        assert errors["loss"] < 1e-5 and errors["param"] < 1e-5, (name, errors)
 
 
 def test_touched_rows_come_from_user_inputs_or_uniform_draws():

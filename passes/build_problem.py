@@ -85,8 +85,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                   symbolic: bool = False, tables_whole: bool = False,
                   recompute: str | None = None, zero: bool = True,
                   loss_on_outputs: bool = False, overlap_efficiency: float = 0.0, prefetch: bool = True,
-                  collective_overlap: tuple[tuple[str, float], ...] = (), bucket_bytes: int = DDP_BUCKET_BYTES
-                  ) -> tuple[ShardingProblem, ProblemIndex]:
+                  collective_overlap: tuple[tuple[str, float], ...] = (), bucket_bytes: int = DDP_BUCKET_BYTES,
+                  edges_without_fit: bool = True) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -117,7 +117,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     does the backward re-gather of a weight freed after forward (FSDP2 prefetches it); every
     other collective stays on the critical path.
     Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed.
-    ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency)."""
+    ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency).
+    Without ``edges_without_fit``, a problem that cannot fit even with every node at its least
+    memory (:meth:`ShardingProblem.min_memory`, which edges do not change) gets no edges: no
+    solver needs them to call it infeasible, and they are most of the building (three of the
+    four 8×8 meshes of the Llama-3-8B shape)."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -238,11 +242,19 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     counts.append(1)
     fallback.append(False)
 
+    problem = ShardingProblem(names, costs, memory, [], memory_limit_bytes, node_count=counts,
+                              node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
+                              overlap_efficiency=overlap_efficiency, collective_overlap=collective_overlap,
+                              prefetch=prefetch)
+    index = ProblemIndex(names, strategies, kinds, position, {}, fallback, parameter_memory,
+                         kept_without_recompute, rerun_s, rerun_buffer, list(group_of))
+    if not edges_without_fit and problem.min_memory() > memory_limit_bytes:
+        return problem, index
     weights = _parameter_views(graph, captured)
     overlaps = any_overlap(overlap_efficiency, collective_overlap)
     edges: list[Edge] = []
     edge_at: dict[tuple, int] = {}  # identical graph edges (same representatives) -> one problem edge
-    edge_of: dict[tuple[str, str, int], int] = {}
+    edge_of = index.edge_of
     for node in list(graph.nodes):
         if node.op == "call_function":
             consumer, args = node, edge_args(node)
@@ -269,12 +281,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                 edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
             edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
-    problem = ShardingProblem(names, costs, memory, edges, memory_limit_bytes, node_count=counts,
-                              node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
-                              overlap_efficiency=overlap_efficiency, collective_overlap=collective_overlap,
-                              prefetch=prefetch)
-    return problem, ProblemIndex(names, strategies, kinds, position, edge_of, fallback, parameter_memory,
-                                 kept_without_recompute, rerun_s, rerun_buffer, list(group_of))
+    return dataclasses.replace(problem, edges=edges), index
 
 
 def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[torch.fx.Node],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 from itertools import chain
 
 from ortools.linear_solver import linear_solver_pb2, pywraplp
@@ -33,6 +34,16 @@ class RelaxedSolution:
     bound_s: float  # the relaxation's optimum (a lower bound), when solved
     choice: list[int] | None  # the assignment, when integral
     leaning: list[int] | None  # per node, the strategy with the largest x (a hint)
+
+
+class _FirstStage(NamedTuple):
+    """A solve for time alone: GLOP's status code, x's values (when optimal), the bound, and
+    when integral the variables in no time-optimal solution (:meth:`LpRelaxation._nonoptimal`;
+    None when fractional)."""
+    code: int
+    values: list[list[float]] | None
+    bound: float
+    nonoptimal: list | None
 
 
 class LpRelaxation:
@@ -68,8 +79,9 @@ class LpRelaxation:
         self.objective = self.solver.Objective()
         self._set_objective(self.time_terms)
         self.time_row = None  # created on first use by _least_memory
-        self._last = None  # (fixed, status code, x values, bound) of the latest first-stage solve
-        self._nonoptimal_vars = None  # of that solve, read once it is needed
+        # (fixed, excluded) -> that first-stage solve: lower_bound() and the baselines' pinned
+        # solves come before the search's own solve of the mesh, which then re-solves nothing
+        self._solved: dict[tuple, _FirstStage] = {}
 
     @property
     def size(self) -> tuple[int, int]:
@@ -84,18 +96,12 @@ class LpRelaxation:
         for var, lo, hi in bounds:  # rows over one variable, coefficient 1
             var.SetBounds(max(var.lb(), lo), min(var.ub(), hi))
         key = (tuple(sorted(fixed.items())), tuple(sorted(excluded)))
-        if self._last is not None and self._last[0] == key:  # lower_bound() then solve(): no re-solve
-            code, values, bound = self._last[1:4]
-        else:
-            code, values = self._run(time_limit_s, dual=True)
-            bound = self.objective.Value() if code == pywraplp.Solver.OPTIMAL else float("-inf")
-            self._last = (key, code, values, bound)
-            self._nonoptimal_vars = None  # the solver holds this solve's duals until the next solve
-        integral = values is not None and _integral(values)
+        if key not in self._solved:
+            self._solved[key] = self._first_stage(time_limit_s)
+        code, values, bound, nonoptimal = self._solved[key]
+        integral = nonoptimal is not None
         if integral and least_memory:
-            if self._nonoptimal_vars is None:
-                self._nonoptimal_vars = self._nonoptimal()
-            values = self._least_memory(bound, self._nonoptimal_vars, time_limit_s) or values
+            values = self._least_memory(bound, nonoptimal, time_limit_s, values)
         for var, _lo, _hi in bounds:  # only after reading the solution: a change discards it
             var.SetBounds(0.0, 1.0)
         if code == pywraplp.Solver.INFEASIBLE:
@@ -106,10 +112,22 @@ class LpRelaxation:
         return RelaxedSolution("INTEGRAL" if integral else "FRACTIONAL", bound,
                                leaning if integral else None, leaning)
 
-    def _least_memory(self, time_s: float, nonoptimal: list, time_limit_s: float) -> list[list[float]] | None:
+    def _first_stage(self, time_limit_s: float) -> "_FirstStage":
+        """Solve for time as the bounds stand; when integral, also which variables no
+        time-optimal solution uses, read now: the solver holds this solve's duals only until
+        its next solve."""
+        code, response = self._run(time_limit_s, dual=True)
+        values = self._x_values(response)
+        bound = self.objective.Value() if code == pywraplp.Solver.OPTIMAL else float("-inf")
+        integral = values is not None and _integral(values)
+        return _FirstStage(code, values, bound, self._nonoptimal(response) if integral else None)
+
+    def _least_memory(self, time_s: float, nonoptimal: list, time_limit_s: float,
+                      fastest: list[list[float]]) -> list[list[float]]:
         """Among the assignments as fast as ``time_s``, one that needs the least memory (e.g. a
-        batch-sharded input rather than a replicated one that is sliced for free); None when
-        the second LP is not integral. ``nonoptimal``: variables that are in no time-optimal
+        batch-sharded input rather than a replicated one that is sliced for free); when the
+        second LP is not integral, its rounding if that is such an assignment needing less than
+        ``fastest`` (:meth:`_rounded`), else ``fastest``. ``nonoptimal``: variables that are in no time-optimal
         solution (:meth:`_nonoptimal`), held at 0 so the second LP searches only the optimal
         face (T5, 567 nodes: 5–6 s → well under 1 s per baseline)."""
         if self.time_row is None:
@@ -120,32 +138,62 @@ class LpRelaxation:
         for var in nonoptimal:
             var.SetUb(0.0)
         self._set_objective(self.memory_terms)
-        _code, values = self._run(time_limit_s, dual=False)
+        _code, response = self._run(time_limit_s, dual=False)
+        values = self._x_values(response)
         for var in nonoptimal:
             var.SetUb(1.0)
         self.time_row.SetUb(self.solver.infinity())
         self._set_objective(self.time_terms)
-        return values if values is not None and _integral(values) else None
+        if values is None:
+            return fastest
+        if _integral(values):
+            return values
+        return self._rounded(values, time_s, fastest)
 
-    def _nonoptimal(self) -> list:
-        """Variables at 0 with a positive reduced cost in the optimum just found: by
+    def _rounded(self, values: list[list[float]], time_s: float, fastest: list[list[float]]) -> list[list[float]]:
+        """A fractional least-memory optimum's largest strategy per node, where that is an
+        assignment as fast as ``time_s`` needing less memory than ``fastest`` (the first
+        LP's integral optimum, one vertex among the time-optimal ones: which one depends on
+        where the simplex started); else ``fastest``."""
+        problem = self.formulation.problem
+        leaning = [max(range(len(row)), key=row.__getitem__) for row in values]
+        chosen = [max(range(len(row)), key=row.__getitem__) for row in fastest]
+        if not problem.feasible(leaning) or problem.evaluate(leaning) > time_s * (1 + 1e-9) + 1e-15 \
+                or problem.memory(leaning) >= problem.memory(chosen):
+            return fastest
+        return [[float(s == t) for s in range(len(row))] for row, t in zip(values, leaning)]
+
+    def _nonoptimal(self, response: linear_solver_pb2.MPSolutionResponse) -> list:
+        """Variables at 0 with a positive reduced cost in the optimum ``response`` holds: by
         complementary slackness no optimal solution uses them (a tie within the tolerance
         may be dropped too, which only narrows the tie-break)."""
         largest = max((abs(c) for _, c in self.time_terms), default=0.0)
         tolerance = 1e-9 * largest
-        return [var for var in self._binary
-                if var.reduced_cost() > tolerance and var.solution_value() < _INTEGRAL]
+        costs, values = list(response.reduced_cost), list(response.variable_value)
+        return [var for v, var in enumerate(self._binary) if costs[v] > tolerance and values[v] < _INTEGRAL]
 
-    def _run(self, time_limit_s: float, dual: bool) -> tuple[int, list[list[float]] | None]:
-        """Solve as the model stands; x's values when optimal. Dual simplex after bounds
-        changed (fixed placements: the last basis stays dual feasible), primal after the
-        objective changed (the tie-break: the last basis stays primal feasible) — measured on
-        T5's baselines, the other way round took 4–20× longer."""
+    def _run(self, time_limit_s: float, dual: bool) -> tuple[int, linear_solver_pb2.MPSolutionResponse | None]:
+        """Solve as the model stands; the solution (values and reduced costs of every variable,
+        read in one call: one by one they took 0.02-0.1 s per solve of an 8×8 Llama-8B mesh)
+        when optimal. Dual simplex after bounds changed (fixed placements: the last basis
+        stays dual feasible), primal after the objective changed (the tie-break: the last
+        basis stays primal feasible) — measured on T5's baselines, the other way round took
+        4–20× longer."""
         self.solver.SetSolverSpecificParametersAsString(f"use_dual_simplex: {'true' if dual else 'false'}")
         self.solver.SetTimeLimit(int(time_limit_s * 1000))
         code = self.solver.Solve()
-        values = [[var.solution_value() for var in row] for row in self.x] if code == pywraplp.Solver.OPTIMAL else None
-        return code, values
+        if code != pywraplp.Solver.OPTIMAL:
+            return code, None
+        response = linear_solver_pb2.MPSolutionResponse()
+        self.solver.FillSolutionResponseProto(response)
+        return code, response
+
+    def _x_values(self, response: linear_solver_pb2.MPSolutionResponse | None) -> list[list[float]] | None:
+        """x's values in ``response``, per node and strategy (None: no solution)."""
+        if response is None:
+            return None
+        flat = list(response.variable_value)
+        return [[flat[v] for v in row] for row in self.formulation.x]
 
     def _set_objective(self, terms) -> None:
         self.objective.Clear()

@@ -63,8 +63,10 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
     with the table-wise owners' real spread (default: the solver's objective)."""
     incident: dict[str, list] = {}
     for (producer, consumer, _arg), k in index.edge_of.items():
-        incident.setdefault(producer, []).append((problem.edges[k], True))
-        incident.setdefault(consumer, []).append((problem.edges[k], False))
+        incident.setdefault(producer, []).append((k, True))
+        incident.setdefault(consumer, []).append((k, False))
+    # a repeated layer's copies share their problem node and edges: their costs once
+    local_costs: dict[tuple, list[float]] = {}
     nodes, parameters, buffers = {}, {}, {}
     # the busiest table-wise owner's excess is master weights, gradients and states alike
     excess = table_excess // (2 + options.optimizer_states)
@@ -90,7 +92,11 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
         elif kind == "buffer":
             buffers[captured.buffer_of[node.name]] = format_spec(chosen.outputs[0])
         elif kind in ("op", "input"):
-            local = _local_costs(problem, solution.choice, q, incident.get(node.name, []))
+            key = (q, tuple(incident.get(node.name, ())))
+            if key not in local_costs:
+                local_costs[key] = _local_costs(problem, solution.choice, q,
+                                                [(problem.edges[k], producer) for k, producer in key[1]])
+            local = local_costs[key]
             others = sorted((t for t in range(len(local)) if t != choice and math.isfinite(local[t])),
                             key=lambda t: (problem.node_costs[q][t] + local[t], t))[:_ALTERNATIVES]
             nodes[node.name] = NodePlan(

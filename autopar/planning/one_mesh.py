@@ -195,7 +195,7 @@ class MeshSearch:
         return build_problem(self.captured, mesh, self.cluster.device, self.cluster.memory_limit_bytes,
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
                              recompute=self.options.recompute if self.options.recompute != "auto" else None,
-                             loss_on_outputs=self.loss_on_outputs,
+                             loss_on_outputs=self.loss_on_outputs, edges_without_fit=False,
                              **self.options.problem_overlap(self.cluster.device))
 
     @staticmethod
@@ -217,7 +217,10 @@ class MeshSearch:
                 if problem is None:  # not built (a known bound): no baselines here, never the warm mesh
                     hints[order] = None
                     continue
-                rules = self._rules(mesh) if self.with_baselines else {}
+                # a baseline already as fast as this mesh's bound cannot do better here (its pinned
+                # problem is this one restricted); nor can the plan, so no hint is needed either
+                rules = {name: rule for name, rule in (self._rules(mesh) if self.with_baselines else {}).items()
+                         if not _beaten(found.get(name), _bound)}
                 costed, hints[order] = cost_baselines(self.captured, problem, index, self.engine, rules)
                 for name, entry in costed.items():  # each baseline keeps its best mesh
                     old = found.get(name)
@@ -372,6 +375,12 @@ class _Incumbent(NamedTuple):
 def _pruned(bound: float, best: _Incumbent | None) -> bool:
     """Whether a mesh whose step is at least ``bound`` cannot beat the incumbent."""
     return best is not None and bound >= best.step_s * (1 - 1e-9)
+
+
+def _beaten(baseline: dict | None, bound: float) -> bool:
+    """Whether a baseline's best entry so far is at least as fast as a mesh's lower bound
+    (costing it on that mesh could not replace the entry: only a strictly faster one does)."""
+    return baseline is not None and baseline["feasible"] and baseline["predicted_step_s"] <= bound
 
 
 def _finite(value: float) -> float | None:

@@ -25,10 +25,10 @@ del plan  # the submodule autopar.plan; the name is the planning function below
 
 
 def __getattr__(name: str):
-    """``plan``, ``replan``, ``apply``, ``parallelize``, ``reshard``, ``watch_links`` and ``ParallelModule``, imported
-    on first use: they bring torch.distributed, DTensor, torch.export and the solver, which
+    """``plan``, ``replan``, ``save_graphs``, ``apply``, ``parallelize``, ``reshard``, ``watch_links`` and
+    ``ParallelModule``, imported on first use: they bring torch.distributed, DTensor, torch.export and the solver, which
     reading a plan (``autopar show``) does not need."""
-    if name in ("plan", "replan", "apply", "parallelize", "reshard", "watch_links"):
+    if name in ("plan", "replan", "save_graphs", "apply", "parallelize", "reshard", "watch_links"):
         from autopar import api
 
         return getattr(api, name)
@@ -39,6 +39,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
 
-__all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "replan", "apply", "parallelize",
-           "reshard", "watch_links", "ParallelModule"]
+__all__ = ["AutoparError", "ErrorKind", "Cluster", "Plan", "load_plan", "plan", "replan", "save_graphs", "apply",
+           "parallelize", "reshard", "watch_links", "ParallelModule"]
 __version__ = "0.1.0"

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -83,7 +84,8 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
 
 
 def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module | None = None, example_inputs=None, *,
-           memory_limit: float | None = None, time_limit_s: float = 60.0, solver: str = "cpsat"):
+           memory_limit: float | None = None, time_limit_s: float = 60.0, solver: str = "cpsat",
+           graphs: "str | os.PathLike | None" = None):
     """Re-plan for a changed ``cluster`` (a slower link, a lost host, another device kind),
     warm-started from ``plan`` and with ``plan``'s options; returns a
     :class:`autopar.planning.replan.Replan`: ``.plan`` (the new plan), ``.previous_step_s``
@@ -94,7 +96,9 @@ def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module | None = None,
     A plan made in this process keeps the graphs it was planned from (``plan.graphs``): without
     ``model`` and ``example_inputs`` they are re-planned as they are — no new trace, and the
     placements each mesh shape allows are not enumerated again. A plan read from a file needs
-    the model and its example inputs (captured anew)."""
+    the model and its example inputs (captured anew), or ``graphs``: the file of the graphs
+    saved beside it (:func:`save_graphs`; ``autopar plan -o plan.json`` writes
+    ``plan.graphs.zip``), re-planned from without the model or a new trace."""
     from autopar.planning import ModelGraphs, PlanOptions
     from autopar.planning.replan import replan as make_replan
 
@@ -106,15 +110,36 @@ def replan(plan: Plan, cluster: "str | Cluster", model: nn.Module | None = None,
                            "neither (then the graphs the plan was made from in this process)")
     target = Cluster.from_spec(cluster, memory_limit_bytes=memory_limit)
     options = PlanOptions.of_plan(plan, solver=solver, time_limit_s=time_limit_s)
+    if model is not None and graphs is not None:
+        raise AutoparError(ErrorKind.BAD_INPUT, "replan() re-plans from the model or from saved graphs, not both: "
+                           "drop one of model= and graphs=")
     if model is not None:
-        graphs = ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype)
+        source = ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype)
+    elif graphs is not None:
+        from autopar.planning.graph_file import load_graphs
+
+        source = load_graphs(graphs)
     elif plan.graphs is not None:
-        graphs = plan.graphs
+        source = plan.graphs
     else:
         raise AutoparError(ErrorKind.BAD_INPUT, "this plan carries no graphs to re-plan from (it was read from a file "
                            "or made in another process): pass the model and its example inputs, "
-                           "autopar.replan(plan, cluster, model, example_inputs)")
-    return make_replan(graphs, plan, target, options)
+                           "autopar.replan(plan, cluster, model, example_inputs), or the graphs saved beside the "
+                           "plan, autopar.replan(plan, cluster, graphs='plan.graphs.zip')")
+    return make_replan(source, plan, target, options)
+
+
+def save_graphs(plan: Plan, path: "str | os.PathLike") -> str | None:
+    """Save the graphs ``plan`` was made from (a plan made in this process) to ``path``, for
+    :func:`replan` without the model (``graphs=path``): the captured programs in torch.export's
+    format with stand-in weights (shapes and dtypes only). Returns None when written, else why
+    they cannot be saved (a model with expert layers; nothing is written then)."""
+    from autopar.planning.graph_file import save_graphs as write
+
+    if not isinstance(plan, Plan) or plan.graphs is None:
+        raise AutoparError(ErrorKind.BAD_INPUT, "save_graphs() saves the graphs of a plan made in this process "
+                           "(autopar.plan's result); a plan read from a file carries none")
+    return write(plan.graphs, path)
 
 
 def apply(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None) -> ParallelModule:

@@ -33,7 +33,8 @@ EXAMPLES = {
     "diff": "autopar diff plan-8xH100.json plan-2x8xH100.json\nautopar diff a.json b.json --json",
     "profile": "autopar profile --out cpu.yaml\nautopar plan examples.gpt:build --cluster cpu.yaml",
     "checkpoint": "autopar checkpoint convert ckpt/step-1000 model.pt\nautopar checkpoint convert model.pt ckpt/start",
-    "replan": "autopar replan plan.json examples.gpt:build --cluster slow-wan.yaml -o plan-slow.json\n"
+    "replan": "autopar replan plan.json --cluster slow-wan.yaml -o plan-slow.json   # from plan.graphs.zip\n"
+              "autopar replan plan.json examples.gpt:build --cluster slow-wan.yaml -o plan-slow.json\n"
               "autopar replan plan.json examples.gpt:build --cluster 1x8xH100 --json\n"
               "autopar replan plan.json examples.gpt:build --cluster wan.yaml --link us-eu=0.125GBps@40ms",
 }
@@ -96,14 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also store the step time as a formula of the batch size and predict it at these "
                         "sizes, e.g. 8,16,32 (no re-tracing; the JSON gets batch_sweep)")
     p.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
-    p.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    p.add_argument("-o", "--output", help="write the plan JSON here (atomically), and beside it the captured graphs "
+                                          "(plan.json -> plan.graphs.zip) that replan reads without the model")
+    p.add_argument("--no-graphs", action="store_true", help="with -o, do not write the graphs file")
     p.add_argument("--json", action="store_true", help="print the machine-readable summary")
     p.set_defaults(run=cmd_plan)
 
     r = command("replan", "re-plan a saved plan for a changed cluster (slower links, fewer hosts), warm-started, "
                           "with the cost of switching")
     r.add_argument("plan")
-    r.add_argument("model", help="the model the plan was made for (.pt2, .pt, or package.module:factory)")
+    r.add_argument("model", nargs="?", help="the model the plan was made for (.pt2, .pt, or package.module:factory); "
+                                            "without it, the graphs saved beside the plan (plan.graphs.zip)")
     r.add_argument("--cluster", required=True, help="the cluster as it is now: a shorthand or a cluster file")
     r.add_argument("--link", action="append", metavar="WHICH=BANDWIDTH[@LATENCY]",
                    help="change one link of --cluster: a WAN link between two regions (a-b=0.125GBps@40ms), "
@@ -113,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--solver", default="cpsat")
     r.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh candidate")
     r.add_argument("--trust-pickle", action="store_true", help="allow loading a pickled .pt model")
-    r.add_argument("-o", "--output", help="write the new plan JSON here (atomically)")
+    r.add_argument("-o", "--output", help="write the new plan JSON here (atomically), and its graphs beside it")
+    r.add_argument("--no-graphs", action="store_true", help="with -o, do not write the graphs file")
     r.add_argument("--json", action="store_true",
                    help="the new plan's summary and a replan object: previous_step_s, migration_bytes, "
                         "migration_s, break_even_steps, switch, reason")

@@ -8,7 +8,9 @@ import contextlib
 import json
 import logging
 import os
+import sys
 
+from autopar.errors import AutoparError, ErrorKind
 from autopar.model_files import UsageError, load_model
 from autopar.units import format_bytes
 
@@ -124,6 +126,7 @@ def cmd_plan(args) -> int:
                                   "fits": plan.predict_memory(b) <= limit} for b in args.batch_size]
     if args.output is not None:  # last: a command that fails writes nothing
         plan.save(args.output)
+        _save_graphs(plan, args)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
@@ -161,17 +164,42 @@ def cmd_replan(args) -> int:
     cluster = autopar.Cluster.from_spec(args.cluster, args.memory_limit)
     for change in args.link or ():
         cluster = cluster.with_link(*parse_link_change(change))
-    with _progress(f"loading {args.model}"):
-        model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
-        answer = autopar.replan(old, cluster, model, inputs, time_limit_s=args.time_limit, solver=args.solver)
+    if args.model is None:
+        from autopar.planning.graph_file import graphs_path
+
+        saved = graphs_path(args.plan)
+        if not os.path.isfile(saved):
+            raise AutoparError(ErrorKind.BAD_INPUT, f"no model given, and no graphs saved beside {args.plan} ({saved} "
+                               "does not exist: plans written with --no-graphs, or of models with expert layers, "
+                               "have none): give the model, autopar replan PLAN MODEL --cluster ...")
+        with _progress(f"re-planning from {saved}"):
+            answer = autopar.replan(old, cluster, graphs=saved, time_limit_s=args.time_limit, solver=args.solver)
+    else:
+        with _progress(f"loading {args.model}"):
+            model, inputs = load_model(args.model, args.input or [], args.trust_pickle)
+            answer = autopar.replan(old, cluster, model, inputs, time_limit_s=args.time_limit, solver=args.solver)
     if args.output is not None:  # last: a command that fails writes nothing
         answer.plan.save(args.output)
+        _save_graphs(answer.plan, args)
     if args.json:
         print(json.dumps({**summary_json(answer.plan), "replan": answer.to_json()}, indent=1))
     else:
         print(summary(answer.plan))
         print(answer.reason)
     return 0
+
+
+def _save_graphs(plan, args) -> None:
+    """The graphs beside the plan just written (-o), unless --no-graphs; a note on stderr when
+    they cannot be saved (the plan is written all the same)."""
+    from autopar.planning.graph_file import graphs_path, save_graphs
+
+    if args.no_graphs or plan.graphs is None:
+        return
+    why_not = save_graphs(plan.graphs, graphs_path(args.output))
+    if why_not:
+        print(f"note: no graphs saved beside {args.output} ({why_not}); autopar replan will need the model",
+              file=sys.stderr)
 
 
 def cmd_show(args) -> int:

@@ -44,9 +44,10 @@ def output_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a temp file in the same directory, then rename it over ``path``: readers see the
-    old file or the new one, never half of one, and an interrupted write leaves nothing behind.
+def atomic_write_text(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to a temp file in the same directory, then rename it over
+    ``path``: readers see the old file or the new one, never half of one, and an interrupted
+    write leaves nothing behind.
     A symlink at ``path`` keeps pointing at the (new) file; a path that cannot hold a file is
     refused before anything is written (:func:`output_problem`)."""
     problem = output_problem(path)
@@ -55,7 +56,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = os.path.realpath(os.fspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".autopar-", suffix=".tmp", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.chmod(tmp, user_mode(0o666))  # mkstemp makes the file 0600
         os.replace(tmp, path)

@@ -42,11 +42,24 @@ class ModelGraphs:
 
     def at_rows(self, rows: int) -> Captured:
         """The graph at the first ``rows`` rows of every input (a micro-batch, a group's share)."""
-        if self.inputs and self.inputs[0].dim() and rows == self.inputs[0].shape[0]:
+        if rows == self.rows:
             return self.full
         if rows not in self._at_rows:
             self._at_rows[rows] = self._capture(tuple(x[:rows] for x in self.inputs))
         return self._at_rows[rows]
+
+    @property
+    def rows(self) -> int | None:
+        """The whole batch's rows (the first input's leading size; None for a scalar input)."""
+        return self.inputs[0].shape[0] if self.inputs and self.inputs[0].dim() else None
+
+    @property
+    def model_name(self) -> str:
+        return type(self.model).__name__
+
+    def captured_rows(self) -> dict[int, Captured]:
+        """The graphs captured so far at other batch sizes than the whole batch, by rows."""
+        return dict(self._at_rows)
 
     def derived(self, key: Any, make: Callable[[], Any]) -> Any:
         """``make()``, computed once per ``key`` for these graphs (e.g. the one-mesh search's

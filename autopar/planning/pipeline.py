@@ -106,7 +106,7 @@ class PipelineStages:
         views = stage_groupings(graphs, cluster)
         if not views:
             layers = len(layer_order(graphs.full.graph))
-            raise AutoparError(ErrorKind.BAD_INPUT, f"{type(graphs.model).__name__} has {layers} layers (indexed "
+            raise AutoparError(ErrorKind.BAD_INPUT, f"{graphs.model_name} has {layers} layers (indexed "
                                f"modules such as blocks.0) and {cluster.describe()} no split of its hosts into 2 or "
                                "more equal stages of at least one layer each")
         best, error = None, None
@@ -137,7 +137,7 @@ class PipelineStages:
             stages = StageCosts(captured, cluster, groups, m, options, plans)
             if len(stages.layers) < len(groups):
                 raise AutoparError(ErrorKind.BAD_INPUT,
-                                   f"{type(graphs.model).__name__} has {len(stages.layers)} layers (indexed modules "
+                                   f"{graphs.model_name} has {len(stages.layers)} layers (indexed modules "
                                    f"such as blocks.0) but the cluster has {len(groups)} groups; pipeline stages are "
                                    "cut between layers: use fewer groups or plan without pipeline stages")
             fitted = False

@@ -185,3 +185,22 @@ def test_jagged_dlrm_keeps_training_when_a_batch_s_id_count_changes():
     for name, errors in found.items():
         assert errors["id_counts"] == [48, 36, 33, 36], errors
         assert errors["loss"] < 1e-5 and errors["param"] < 1e-5, (name, errors)
+
+
+@pytest.mark.parametrize("family", ["pipeline", "replicas"])
+def test_pipelines_and_replicas_refuse_bags_of_varying_size_by_name(family):
+    """Micro-batches and replica shares cut every input by rows; a jagged table's ids are not
+    rows of the batch (their count is the data's), so a cut would split bags: the plan is
+    refused up front, naming the inputs (the leading sizes of the inputs also differ, which
+    alone would give a vaguer message)."""
+    import pathlib
+
+    torch.manual_seed(0)
+    model = models.JaggedDLRM()
+    inputs = models.jagged_dlrm_inputs(model, 16)
+    cluster = str(pathlib.Path(__file__).parent / "clusters" / "two_cpu_regions.yaml")
+    with pytest.raises(autopar.AutoparError, match="ids0, ids1, ids2, weights0 hold the ids of bags of varying size"):
+        autopar.plan(model, inputs, cluster=cluster, **{family: True})
+    plan = autopar.plan(model, inputs, cluster=cluster)  # the families over device groups are skipped, saying why
+    for name in ("pipeline", "replicas"):
+        assert "bags of varying size" in plan.families[name]["skipped"], plan.families[name]

@@ -114,8 +114,6 @@ def _check_pinned(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions, t
     """An option that pins what one family plans (micro_batches: the pipeline's; batch_split:
     the replicas') must reach a family that reads it, and fit the batch: an error now, rather
     than the option ignored or that family quietly skipped."""
-    from autopar.passes.capture import leading_batch
-
     for option, family, meaning in (("micro_batches", "pipeline", "a pipeline's micro-batch count"),
                                     ("batch_split", "replicas", "the rows of each data-parallel replica")):
         value = getattr(options, option)
@@ -127,7 +125,7 @@ def _check_pinned(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions, t
                    or f"{family} plans are made on {cluster.describe()} only when forced ({family}=True)")
             raise AutoparError(ErrorKind.BAD_INPUT, f"{option}={value!r} pins {meaning}, but no {family} plan is made "
                                f"here: {why}; drop {option} or plan {family}=True on a cluster that can host it")
-        batch = leading_batch(graphs.inputs, option)
+        batch = graphs.batch_rows(option)
         if option == "micro_batches":
             check_micro_batches(value, batch)
         else:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.passes.capture import Captured, capture, normalize_inputs
+from autopar.errors import AutoparError, ErrorKind
+from autopar.passes.capture import Captured, capture, leading_batch, normalize_inputs
 from autopar.passes.experts import annotate_experts
 from autopar.passes.sparse import annotate_lookups
 from autopar.passes.strategies import MEMO_KEY
@@ -56,6 +57,23 @@ class ModelGraphs:
     @property
     def model_name(self) -> str:
         return type(self.model).__name__
+
+    def batch_rows(self, splitter: str) -> int:
+        """The batch ``splitter`` (pipeline micro-batches, replicas) cuts into rows: every
+        input's leading size (passes.capture.leading_batch). Refused where an input holds the
+        ids of bags of varying size (passes.embedding_bag.id_indexed): its length is the
+        batch's id count, so a cut by rows would split bags."""
+        from autopar.passes.embedding_bag import id_indexed
+
+        jagged = sorted(spec.name for spec in self.full.inputs if spec.name in id_indexed(self.full.graph))
+        if jagged:
+            raise AutoparError(ErrorKind.BAD_INPUT,
+                               f"{splitter} cut every input by rows, but {', '.join(jagged)} "
+                               f"{'holds' if len(jagged) == 1 else 'hold'} the ids of bags of varying size (the "
+                               "length is the batch's id count, not its bag count): a cut by rows would split bags; "
+                               "plan this model on one mesh (pipeline=False, replicas=False), where each bag stays "
+                               "whole")
+        return leading_batch(self.inputs, splitter)
 
     def captured_rows(self) -> dict[int, Captured]:
         """The graphs captured so far at other batch sizes than the whole batch, by rows."""

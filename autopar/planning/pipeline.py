@@ -27,7 +27,7 @@ from autopar.planning.options import PlanOptions
 from autopar.planning.schedules import Layout, schedule_layouts
 from autopar.planning.stage_costs import StageCosts
 from autopar.units import format_bytes
-from autopar.passes.capture import Captured, leading_batch
+from autopar.passes.capture import Captured
 from autopar.passes.layer_recompute import recorded_mode
 from autopar.passes.stages import layer_order
 
@@ -129,8 +129,9 @@ class PipelineStages:
         groups = cluster.groups()
         start = time.perf_counter()
         best, tried, smallest = None, [], None
-        for m in _micro_batch_counts(graphs.inputs, len(groups), options.micro_batches):
-            rows = graphs.inputs[0].shape[0] // m
+        batch = graphs.batch_rows("pipeline micro-batches")
+        for m in _micro_batch_counts(batch, len(groups), options.micro_batches):
+            rows = batch // m
             captured = graphs.at_rows(rows)
             # the chunks' plans, kept with the graphs: every search of them at this size reuses them
             plans = graphs.derived(("stage_plans", rows, dataclasses.replace(options, baselines=False)), dict)
@@ -215,8 +216,7 @@ def check_micro_batches(pinned: int, batch: int) -> None:
         raise AutoparError(ErrorKind.BAD_INPUT, f"micro_batches={pinned} must divide the batch size {batch}")
 
 
-def _micro_batch_counts(inputs: tuple, stages: int, pinned: int | None) -> list[int]:
-    batch = leading_batch(inputs, "pipeline micro-batches")
+def _micro_batch_counts(batch: int, stages: int, pinned: int | None) -> list[int]:
     if pinned is not None:
         check_micro_batches(pinned, batch)
         return [pinned]

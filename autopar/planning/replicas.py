@@ -39,7 +39,7 @@ from autopar.planning.one_mesh import group_plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import first_that_fits, groups_unavailable
 from autopar.units import format_bytes
-from autopar.passes.capture import Captured, leading_batch
+from autopar.passes.capture import Captured
 from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class ReplicaGroups:
         return first_that_fits(options, lambda chosen: self._plan(graphs, cluster, chosen))
 
     def _plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
-        batch = leading_batch(graphs.inputs, "replicas")
+        batch = graphs.batch_rows("replicas")
         groups = cluster.groups()
         start = time.perf_counter()
         if options.batch_split is None:

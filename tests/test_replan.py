@@ -398,7 +398,8 @@ def test_a_plan_s_saved_graphs_replan_it_as_the_model_does_without_the_model(tmp
 def test_saved_graphs_keep_the_ids_each_lookup_read():
     """A GPT's token embedding is costed from the ids of the example batch (passes.sparse):
     they are saved with the graph, so the re-plan from the file costs the lookups as the one
-    from the model does."""
+    from the model does, and carries the old search's mesh bounds as the re-plan from the
+    plan's own graphs does (the densities are the plan's)."""
     import tempfile
 
     from models import GPT
@@ -412,11 +413,15 @@ def test_saved_graphs_keep_the_ids_each_lookup_read():
         slower = autopar.Cluster.from_spec("2x2xH100").with_link("inter_node", 1e8)
         from_file = autopar.replan(old, slower, graphs=saved)
     from_model = autopar.replan(old, slower, model, (x,))
+    in_process = autopar.replan(old, slower)
     from autopar.passes.sparse import LOOKUP_KEY
 
     ids = [node.meta[LOOKUP_KEY].indices for node in from_file.plan.graphs.full.graph.nodes if LOOKUP_KEY in node.meta]
     assert ids and all(t is not None and int(t.max()) < 16 for t in ids)
-    assert from_file.plan.to_json() == from_model.plan.to_json()
+    assert from_file.plan.to_json() == in_process.plan.to_json()
+    assert from_file.plan.predicted_step_s == pytest.approx(from_model.plan.predicted_step_s, rel=1e-9)
+    assert known_bounds(from_file.plan.graphs, old, slower) is not None
+    assert known_bounds(from_model.plan.graphs, old, slower) is None  # other ids may have been captured
 
 
 def test_graphs_of_a_model_with_experts_are_not_saved(tmp_path):

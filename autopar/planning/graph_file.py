@@ -133,6 +133,13 @@ class SavedGraphs(ModelGraphs):
     def model_name(self) -> str:
         return self.saved_model_name
 
+    def lookups_of(self, plan) -> bool:
+        """The file saved beside ``plan`` holds the ids it was made with (each graph's
+        fingerprint is checked against the plan's by the re-plan). A file of the same model
+        saved from other example ids would be taken for it: the files are written in pairs."""
+        return self.full.fingerprint == plan.fingerprint or any(
+            c.fingerprint == plan.fingerprint for c in self._at_rows.values())
+
     def _capture(self, inputs) -> Captured:
         rows = inputs[0].shape[0] if inputs and inputs[0].dim() else None
         saved = sorted({self.rows, *self._at_rows})

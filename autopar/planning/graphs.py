@@ -75,6 +75,11 @@ class ModelGraphs:
                                "whole")
         return leading_batch(self.inputs, splitter)
 
+    def lookups_of(self, plan) -> bool:
+        """Whether these graphs' sparse lookups are costed from the ids ``plan`` was made
+        with: the graphs it was made from (another capture may have other example ids)."""
+        return self is plan.graphs
+
     def captured_rows(self) -> dict[int, Captured]:
         """The graphs captured so far at other batch sizes than the whole batch, by rows."""
         return dict(self._at_rows)

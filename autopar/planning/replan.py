@@ -104,10 +104,10 @@ def known_bounds(graphs, old: Plan, cluster: Cluster) -> MeshBounds | None:
     ``k`` (at least the old one where no link got faster), and so is each bound. Only for
     the problem the old search solved: the recompute mode it was made with, no pinned
     configuration (its bounds are the configuration's), and the same sparse-table densities
-    (the graphs it was made from, or a model without sparse tables)."""
+    (the graphs it was made from or saved beside it, ModelGraphs.lookups_of; or a model without sparse tables)."""
     recorded = old.families.get("one_mesh", {}).get("mesh_bounds")
     if recorded is None or old.cluster.get("topology") != cluster.topology_digest() \
-            or "configuration" in old.options or (old.sparse and graphs is not old.graphs):
+            or "configuration" in old.options or (old.sparse and not graphs.lookups_of(old)):
         return None
     speedup = link_speedup(old.cluster.get("links"), cluster)
     if speedup is None:

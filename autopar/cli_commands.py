@@ -196,7 +196,10 @@ def _save_graphs(plan, args) -> None:
 
     if args.no_graphs or plan.graphs is None:
         return
-    why_not = save_graphs(plan.graphs, graphs_path(args.output))
+    try:
+        why_not = save_graphs(plan.graphs, graphs_path(args.output))
+    except AutoparError as exc:  # e.g. a folder in its place: the plan is written, say why the graphs are not
+        why_not = exc.message
     if why_not:
         print(f"note: no graphs saved beside {args.output} ({why_not}); autopar replan will need the model",
               file=sys.stderr)

@@ -212,7 +212,12 @@ def _stand_in(value: torch.Tensor) -> torch.Tensor:
 
 def _captured(data: bytes, entry: dict, manifest: dict, path) -> Captured:
     """One saved graph as capture made it (checked by its fingerprint)."""
-    program = torch.export.load(io.BytesIO(data))
+    try:
+        program = torch.export.load(io.BytesIO(data))
+    except Exception as exc:  # torch's deserializer raises many types
+        raise AutoparError(ErrorKind.BAD_PLAN, f"{os.fspath(path)}: torch.export cannot read the graph at "
+                           f"{entry['rows']} rows ({type(exc).__name__}: {exc}; torch {manifest['torch']} saved it, "
+                           f"this is {torch.__version__}): re-plan with the model") from exc
     graph = program.graph
     graph.eliminate_dead_code()  # the loader adds a getitem for each unused output of a multi-output op
     for node in graph.nodes:  # and gives tuples where an op returns a list (split_with_sizes)

@@ -213,14 +213,14 @@ class MeshSearch:
         if self._baselines is None:
             found: dict[str, dict] = {}
             hints: dict[int, list[int] | None] = {}
-            for _bound, order, mesh, problem, index in self.prepared:
+            for bound, order, mesh, problem, index in self.prepared:
                 if problem is None:  # not built (a known bound): no baselines here, never the warm mesh
                     hints[order] = None
                     continue
                 # a baseline already as fast as this mesh's bound cannot do better here (its pinned
                 # problem is this one restricted); nor can the plan, so no hint is needed either
                 rules = {name: rule for name, rule in (self._rules(mesh) if self.with_baselines else {}).items()
-                         if not _beaten(found.get(name), _bound)}
+                         if not _beaten(found.get(name), bound)}
                 costed, hints[order] = cost_baselines(self.captured, problem, index, self.engine, rules)
                 for name, entry in costed.items():  # each baseline keeps its best mesh
                     old = found.get(name)

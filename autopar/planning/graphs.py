@@ -65,7 +65,8 @@ class ModelGraphs:
         batch's id count, so a cut by rows would split bags."""
         from autopar.passes.embedding_bag import id_indexed
 
-        jagged = sorted(spec.name for spec in self.full.inputs if spec.name in id_indexed(self.full.graph))
+        by_id = id_indexed(self.full.graph)
+        jagged = sorted(spec.name for spec in self.full.inputs if spec.name in by_id)
         if jagged:
             raise AutoparError(ErrorKind.BAD_INPUT,
                                f"{splitter} cut every input by rows, but {', '.join(jagged)} "

@@ -68,7 +68,6 @@ class LpRelaxation:
         if status:
             raise RuntimeError(f"GLOP refused the relaxation's model: {status}")
         variables = self.solver.variables()
-        self.x = [[variables[v] for v in row] for row in formulation.x]
         self._x_flat = variables[:formulation.num_x]  # x come first
         self._binary = variables[:formulation.num_binary]
         self.memory_terms = [(variables[v], c) for terms in memory_terms for v, c in terms.items()]

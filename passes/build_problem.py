@@ -120,8 +120,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency).
     Without ``edges_without_fit``, a problem that cannot fit even with every node at its least
     memory (:meth:`ShardingProblem.min_memory`, which edges do not change) gets no edges: no
-    solver needs them to call it infeasible, and they are most of the building (three of the
-    four 8×8 meshes of the Llama-3-8B shape)."""
+    solver needs them to call it infeasible, and they are most of a problem's building."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)

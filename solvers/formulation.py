@@ -87,6 +87,17 @@ class Row:
     seconds: bool = False
 
 
+def summed(variables: list[int], coeffs: list) -> dict:
+    """A row's terms with one coefficient per variable: a variable named twice (an overlap row
+    takes an edge's forward and backward parts from the same variables) gets the sum of its
+    coefficients, as CP-SAT's linear expressions do; zeros dropped. Both backends state rows
+    this way (pywraplp's ``SetCoefficient`` kept only the last of a variable's coefficients)."""
+    terms: dict = {}
+    for v, c in zip(variables, coeffs):
+        terms[v] = terms.get(v, 0) + c
+    return {v: c for v, c in terms.items() if c}
+
+
 class Formulation:
     """Variables, objective and constraint families of one problem. The families that depend
     on ``problem.fixed`` and ``problem.excluded`` take them as arguments, so one formulation

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from ortools.sat.python import cp_model
 
 from autopar.problem import ShardingProblem, Solution
-from autopar.solvers.formulation import Formulation
+from autopar.solvers.formulation import Formulation, summed
 from autopar.solvers.relaxation import LpRelaxation
 
 log = logging.getLogger(__name__)
@@ -191,13 +191,13 @@ def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: fro
         if row.exactly_one:
             constraint.exactly_one.literals.extend(list(row.vars))
             continue
-        terms = _summed(row.vars, [integral(v, c) for v, c in zip(row.vars, row.coeffs)] if row.seconds
+        terms = summed(row.vars, [integral(v, c) for v, c in zip(row.vars, row.coeffs)] if row.seconds
                         else [_whole(c, row.name) for c in row.coeffs])
         constraint.linear.vars.extend(list(terms))
         constraint.linear.coeffs.extend(list(terms.values()))
         constraint.linear.domain.extend([cp_model.INT_MIN if row.lo == -math.inf else _whole(row.lo, row.name),
                                          cp_model.INT_MAX if row.hi == math.inf else _whole(row.hi, row.name)])
-    objective = _summed(formulation.objective_vars,
+    objective = summed(formulation.objective_vars,
                         [integral(v, c) for v, c in zip(formulation.objective_vars, costs)])
     proto.objective.vars.extend(list(objective))
     proto.objective.coeffs.extend(list(objective.values()))
@@ -208,14 +208,6 @@ def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: fro
         proto.solution_hint.vars.extend(list(range(len(values))))
         proto.solution_hint.values.extend(values)
     return model, formulation.x, scale
-
-
-def _summed(variables: list[int], coeffs: list[int]) -> dict[int, int]:
-    """One coefficient per variable (a variable named twice gets the sum), zeros dropped."""
-    terms: dict[int, int] = {}
-    for v, c in zip(variables, coeffs):
-        terms[v] = terms.get(v, 0) + c
-    return {v: c for v, c in terms.items() if c}
 
 
 def _whole(value: float, row: str) -> int:

@@ -23,7 +23,7 @@ from itertools import chain
 
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 
-from autopar.solvers.formulation import Formulation, Row
+from autopar.solvers.formulation import Formulation, Row, summed
 
 _INTEGRAL = 1e-6  # x within this of 0 or 1 counts as integral
 
@@ -53,8 +53,9 @@ class LpRelaxation:
     def __init__(self, formulation: Formulation) -> None:
         self.formulation = formulation
         self.solver = pywraplp.Solver.CreateSolver("GLOP")
-        # the model goes in as one proto, each row's terms summed per variable (_summed); an 8×8
-        # Llama-8B problem (40k variables, 7k rows) loads in 0.14-0.24 s, 0.24 s set term by term
+        # the model goes in as one proto, each row's terms summed per variable (formulation.summed):
+        # an 8×8 Llama-8B problem (40k variables, 7k rows) loads in 0.14-0.24 s, 0.24 s set term
+        # by term
         model = linear_solver_pb2.MPModelProto()
         bounded = formulation.num_binary
         for v in range(formulation.num_variables):  # z (overlap, seconds) are unbounded
@@ -202,23 +203,11 @@ class LpRelaxation:
 
 
 def _add_row(model: linear_solver_pb2.MPModelProto, row: Row) -> dict[int, float]:
-    """Add ``row`` to ``model`` in its unit; its terms (:func:`_summed`)."""
-    terms = _summed(row)
+    """Add ``row`` to ``model`` in its unit; its terms (formulation.summed)."""
+    terms = summed(row.vars, [c / row.unit for c in row.coeffs])
     constraint = model.constraint.add(lower_bound=row.lo / row.unit, upper_bound=row.hi / row.unit, name=row.name)
     constraint.var_index.extend(terms)
     constraint.coefficient.extend(terms.values())
-    return terms
-
-
-def _summed(row: Row) -> dict[int, float]:
-    """``row``'s terms in its unit, one per variable: a variable named twice (an overlap row
-    takes an edge's forward and backward parts from the same variables) gets the sum of its
-    coefficients, as CP-SAT's linear expressions do. (Set one by one through pywraplp's
-    ``SetCoefficient``, the last of them won: until this change the relaxation of such a row
-    was not the ILP's.)"""
-    terms: dict[int, float] = {}
-    for v, c in zip(row.vars, row.coeffs):
-        terms[v] = terms.get(v, 0.0) + c / row.unit
     return terms
 
 

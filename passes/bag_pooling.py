@@ -9,8 +9,10 @@ every looked-up row. As its own op it carries the rules of a pooling (registered
   * the rows split by position (the ids of a batch split evenly over devices, whatever bags
     they fall in): each device pools its rows into every bag — a partial sum, reduced (or
     reduce-scattered by bags) afterwards, as TorchRec's row-wise sharding reduce-scatters its
-    pooled embeddings (the op's rule; the planner no longer offers it, since a batch's id count
-    changes from batch to batch: passes.embedding_bag.id_indexed);
+    pooled embeddings. The planner reads this rule as a split by bags instead (each device's
+    rows are its own bags': its pooled bags are its share of the output,
+    passes.strategies.pooled_by_bags, lowered by passes.bag_runtime.pool_bags), since a batch's
+    id count changes from batch to batch (passes.embedding_bag.id_indexed);
   * the columns split (a column-wise sharded table): each device pools its columns;
   * replicated.
 

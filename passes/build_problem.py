@@ -37,7 +37,7 @@ from autopar.problem import Edge, ShardingProblem, any_overlap
 from autopar.passes.capture import Captured
 from autopar.passes.context_parallel import causal_imbalance, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
-from autopar.passes.embedding_bag import id_indexed
+from autopar.passes.embedding_bag import bag_split_inputs, id_indexed
 from autopar.passes.expert_dispatch import add_expert_dispatch
 from autopar.passes.layer_recompute import recomputed_layers
 from autopar.passes.memory import SAVED_KEY
@@ -50,7 +50,7 @@ from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.stages import layer_order, node_layer
 from autopar.passes.strategy_exchanges import exchange_s
 from autopar.passes.strategies import (
-    FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, keep_id_counts_whole,
+    FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, split_ids_by_bags_only,
     leaf_candidates, output_vals, work_split)
 
 SAVED_CLASSES = ("matmul", "attention")  # what selective recomputation keeps (passes.recompute saves them)
@@ -127,6 +127,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     members = expert_members(graph)
     tables = table_wise_tables(graph)
     id_counts = id_indexed(graph)
+    by_bags = bag_split_inputs(graph)[1] if id_counts else set()
     names, strategies, kinds, costs, memory, counts, fallback = [], [], [], [], [], [], []
     own_comm, forward_compute, node_group, group_of = [], [], [], {}  # overlap (autopar.problem)
     parameter_memory: dict[int, list[ParameterBytes]] = {}
@@ -148,7 +149,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             kind = ("param" if node.name in captured.parameter_of else
                     "buffer" if node.name in captured.buffer_of else "input")
             val = node.meta["val"]
-            options = keep_id_counts_whole(node, _leaf_strategies(val, mesh.shape), id_counts) if kind != "buffer" \
+            options = split_ids_by_bags_only(node, _leaf_strategies(val, mesh.shape, node.name in by_bags), id_counts,
+                                             by_bags) if kind != "buffer" \
                 else [Strategy((pl.replicated(len(mesh.shape)),), ())]
             if node.name in members:  # a batched expert's weight may live on its owner only
                 options += [Strategy((p,), ()) for p in owned_leaf_options(
@@ -274,7 +276,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                                    sync_nbytes=_master_grad_bytes(captured, producer, out_index, nbytes)
                                    if key[5] else None,
                                    group=node_group[j] if key[5] and overlaps else -1,
-                                   bucket_bytes=bucket_bytes))
+                                   bucket_bytes=bucket_bytes, by_bags_only=producer.name in id_counts))
             else:
                 k = edge_at[key]
                 edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
@@ -360,10 +362,10 @@ def annotate_strategies(captured: Captured, mesh_shape: tuple[int, ...], skip: d
     add_expert_dispatch(captured.graph, mesh_shape)
 
 
-def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+def _leaf_strategies(val: torch.Tensor, mesh_shape: tuple[int, ...], by_bags: bool = False) -> list[Strategy]:
     options = []
     for combo in itertools.product(*[leaf_candidates(val, partial=False)] * len(mesh_shape)):
-        if evenly_sharded(val.shape, combo, mesh_shape):
+        if evenly_sharded(val.shape, combo, mesh_shape, by_bags):
             options.append(Strategy((tuple(combo),), ()))
     return options
 

@@ -17,15 +17,19 @@ bag's length for ``mean`` (an empty bag is zeros, as EmbeddingBag gives). The lo
 the sparse planning shards and exchanges; the pooling splits with it — the rows partial (a
 row-wise table), pooled into partial bags then reduced or reduce-scattered by bag
 (TorchRec's row-wise output), or the columns split. The ids are never split by position
-(:func:`id_indexed`): their count changes with every batch. ``max`` mode, ``padding_idx`` and
-``scale_grad_by_freq`` stay as they are (they run replicated and forward-only; a warning says
-so).
+(:func:`id_indexed`): their count changes with every batch. They split by bags instead, as
+TorchRec's data-parallel input distribution splits them: each device takes an even share of
+the bags and their ids, however many (:func:`bag_split_inputs`; lowered by
+passes.bag_runtime), and its lookups, its touched rows (Parallax's sparse exchange) and its
+pooled bags are its own. ``max`` mode, ``padding_idx`` and ``scale_grad_by_freq`` stay as they
+are (they run replicated and forward-only; a warning says so).
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch._guards import detect_fake_mode
@@ -149,13 +153,58 @@ def id_indexed(graph: torch.fx.Graph) -> set[str]:
     each id's bag number) up to the pooling (``autopar::pool_rows``). That dim's size is the
     batch's id count, which changes from batch to batch; a plan that split it by position
     would hold only while the count divides over the devices (the next batch of 33 ids on 2
-    devices fails), so strategies never split it (passes.strategies). The walk goes back from
-    each pooling's rows and bag numbers through nodes of that first-dim size; it does not
-    cross into a lookup's table or from the bag numbers into the bags' lengths."""
-    found: set[str] = set()
+    devices fails), so strategies split it only by bags (:func:`bag_split_inputs`)."""
+    return set().union(*(chain for _, chain in _chains(graph)))
+
+
+@dataclass(frozen=True)
+class BagInput:
+    """How to give a device its own bags' share of an input of ids (or per-sample weights):
+    the input holding the bags' offsets, how many bags, whether the offsets end with the id
+    count (``include_last_offset``)."""
+
+    offsets: str
+    bags: int
+    last: bool
+
+
+def bag_split_inputs(graph: torch.fx.Graph) -> tuple[dict[str, BagInput], set[str]]:
+    """The id-indexed inputs a plan may split by bags (each device its own bags' ids, the
+    offsets telling where they start), and the id-indexed nodes that split with them. A pooling
+    qualifies when its offsets are an input of the model (a device slices its ids from the
+    offsets every rank holds); an input of ids read by poolings of different offsets, and every
+    node of such a chain, stays whole."""
+    inputs: dict[str, BagInput] = {}
+    conflicting: set[str] = set()
+    chains = _chains(graph)
+    for pool, chain in chains:
+        found = pooling_offsets(pool)
+        for name in sorted(chain):
+            node = _node(graph, name)
+            if node is None or node.op != "placeholder":
+                continue
+            if found is None or inputs.setdefault(name, found) != found:
+                conflicting.add(name)
+    splittable: set[str] = set()
+    for _, chain in chains:
+        if not chain & conflicting and any(name in inputs for name in chain):
+            splittable |= chain
+    return {name: bag for name, bag in inputs.items() if name in splittable}, splittable
+
+
+def _node(graph: torch.fx.Graph, name: str) -> torch.fx.Node | None:
+    return next((n for n in graph.nodes if n.name == name), None)
+
+
+def _chains(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, set[str]]]:
+    """Each pooling with the id-indexed nodes it reads: the walk goes back from its rows and bag
+    numbers through nodes of that first-dim size; it does not cross into a lookup's table or
+    from the bag numbers into the bags' lengths."""
+    chains = []
     for pool in graph.nodes:
         if pool.op != "call_function" or pool.target is not POOL_ROWS:
             continue
+        found: set[str] = set()
         count = pool.args[0].meta["val"].shape[0]
         stack = [pool.args[0], pool.args[1]]
         while stack:
@@ -168,7 +217,22 @@ def id_indexed(graph: torch.fx.Graph) -> set[str]:
                 stack.append(node.args[1])  # the ids, not the table
             elif node.target is not aten.repeat_interleave.Tensor:  # its input counts bags
                 stack.extend(node.all_input_nodes)
-    return found
+        chains.append((pool, found))
+    return chains
+
+
+def pooling_offsets(pool: torch.fx.Node) -> BagInput | None:
+    """The offsets input of a pooling as :func:`_rewrite_jagged` builds it (its bag numbers
+    repeat the lengths ``ends - starts``, ``starts`` the offsets' first ``bags``), or None when
+    they are computed inside the model."""
+    bag_of = pool.args[1]
+    if bag_of.target is not aten.repeat_interleave.Tensor or bag_of.args[0].target is not aten.sub.Tensor:
+        return None
+    ends, starts = bag_of.args[0].args[:2]
+    offsets = starts.args[0] if starts.target is aten.slice.Tensor else None
+    if offsets is None or offsets.op != "placeholder":
+        return None
+    return BagInput(offsets.name, pool.args[2], ends.target is aten.slice.Tensor)
 
 
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, bag: int, fake_mode) -> None:

@@ -16,6 +16,9 @@ The emitted module is ``ExportedProgram.module()`` with
     every owner pools its tables' bags, one all-to-all for all of them;
   * ``sparse_embedding`` for lookups planned to exchange their table's gradient as rows,
     ``rowwise_embedding`` for lookups in a table sharded by rows;
+  * ``bag_input``, ``bag_numbers`` and ``pool_bags`` (passes.bag_runtime) where bags of varying
+    size split by bags: each device cuts its bags' ids from the full inputs, numbers them by
+    its own bags and pools them into those;
   * ``to_full`` on every output, so callers get plain full tensors.
 A sharded weight's gather is issued asynchronously a layer ahead of its reader (passes.reshard,
 passes.prefetch: FSDP2's prefetch), its gradient reduce-scattered asynchronously in backward.
@@ -38,12 +41,14 @@ from torch.utils._pytree import tree_flatten
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
-from autopar.passes import expert_runtime, runtime
+from autopar.passes import bag_runtime, expert_runtime, runtime
+from autopar.passes.bag_pooling import POOL_ROWS
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
 from autopar.passes.attention_runtime import local_attention
 from autopar.passes.context_parallel import BALANCED_CAUSAL
 from autopar.passes.cost import FUSED_ATTENTION, is_view_op, view_chain
 from autopar.passes.dtensor_ops import relabel_experts
+from autopar.passes.embedding_bag import BagInput, bag_split_inputs
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
@@ -51,6 +56,7 @@ from autopar.passes.place_state import distribute_state
 from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
+from autopar.passes.strategies import first_dim_split
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -119,12 +125,19 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     compute_dtype = compute_dtype_of(plan)  # mixed precision: weights and inputs cast for compute
     reduce_dtype = reduce_dtype_of(plan)  # ... and gathered weights' gradients reduced in this
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    bag_inputs, bag_chains = bag_split_inputs(graph)
     for node, name in zip(user_inputs, input_names, strict=True):
         planned = plan.nodes[name].outputs[0]
         traced = node.meta.get("val")
         cast = traced.dtype if compute_dtype is not None and isinstance(traced, torch.Tensor) else None
-        new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned, cast))
+        if node.name in bag_inputs and first_dim_split(pl.parse_spec(planned)):
+            new = _split_by_bags(graph, node, bag_inputs[node.name], user_inputs, (mesh_node, planned, cast))
+        else:
+            new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned, cast))
         produced[new.name] = planned
+    for node in graph.nodes:  # a cut by bags reads the full offsets, not their distributed copy
+        if node.target is bag_runtime.bag_input:
+            node.update_arg(1, next(n for n in user_inputs if n.name == bag_inputs[node.args[0].name].offsets))
     replicated = pl.format_spec(pl.replicated(len(plan.mesh_shape)))  # as the graph's code writes it
     fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
@@ -184,6 +197,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             like = (tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None
             node.args = (mesh_node, nplan.outputs[0], like, nplan.exchange == BALANCED_CAUSAL, *node.args)
             node.target = local_attention
+        elif node.target is torch.ops.aten.repeat_interleave.Tensor and node.name in bag_chains:
+            ids = node.meta["val"].shape[0]  # each id's bag number: the device's own bags' (bag_runtime)
+            node.args, node.kwargs = (node.args[0], mesh_node, nplan.outputs[0], ids), {}
+            node.target = bag_runtime.bag_numbers
+        elif node.target is POOL_ROWS and first_dim_split(pl.parse_spec(nplan.outputs[0])):
+            node.args = (*node.args[:3], mesh_node, nplan.outputs[0])  # each device pools its own bags
+            node.target = bag_runtime.pool_bags
         elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
@@ -260,7 +280,23 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
-                  runtime.table_wise_lookups, expert_runtime.dispatch_experts, local_attention}
+                  runtime.table_wise_lookups, expert_runtime.dispatch_experts, local_attention,
+                  bag_runtime.bag_input, bag_runtime.bag_numbers, bag_runtime.pool_bags}
+
+
+def _split_by_bags(graph: torch.fx.Graph, node: torch.fx.Node, bag: BagInput, user_inputs: list[torch.fx.Node],
+                   args: tuple) -> torch.fx.Node:
+    """``node`` (an input of ids or per-sample weights) cut by bags for each device
+    (bag_runtime.bag_input), from the full offsets input every rank holds: inserted after the
+    last input, so the offsets are defined before it reads them."""
+    offsets = next(n for n in user_inputs if n.name == bag.offsets)
+    with graph.inserting_after(user_inputs[-1]):
+        new = graph.call_function(bag_runtime.bag_input, (node, offsets, args[0], args[1], bag.bags, args[2]))
+    new.meta["val"] = node.meta.get("val")
+    for user in list(node.users):
+        if user is not new:
+            user.replace_input_with(node, new)
+    return new
 
 
 def _gathers(have: str | None, want: str) -> bool:

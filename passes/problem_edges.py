@@ -16,7 +16,7 @@ from autopar.problem import Edge
 from autopar.passes.cost import COST_KEY
 from autopar.passes.reshard_cost import Parts, reshard_parts, unit_links
 from autopar.passes.sparse import SPARSE_ALLGATHER, TABLE_WISE
-from autopar.passes.strategies import Strategy, output_vals, tensor_args
+from autopar.passes.strategies import Strategy, first_dim_split, output_vals, tensor_args
 
 
 def edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:
@@ -45,10 +45,13 @@ def tensor_index(node: torch.fx.Node, out_index: int) -> int:
 
 
 def make_edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False,
-          sync_nbytes=None, group: int = -1, bucket_bytes: int = DDP_BUCKET_BYTES) -> Edge:
+          sync_nbytes=None, group: int = -1, bucket_bytes: int = DDP_BUCKET_BYTES, by_bags_only: bool = False) -> Edge:
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
-    pair variables of the edge to the diagonal (coarsening, Alpa's "following")."""
+    pair variables of the edge to the diagonal (coarsening, Alpa's "following").
+    ``by_bags_only``: the tensor holds a batch's ids (passes.embedding_bag.id_indexed), whose
+    first dim splits by bags, not by position, and unevenly: no reshard may split or gather
+    that dim (pairs that change which mesh dims split it are forbidden)."""
     # a parameter's ZeRO-2 twin is its own class: same use, its gradient goes elsewhere
     src_keys = [(s.outputs[out_index], s.state or s.outputs[out_index]) for s in src_options]
     dst_keys = [(t.inputs[arg], _split_mask(t) if not (_syncs_table(t) and arg == 0) else ()) for t in dst_options]
@@ -65,13 +68,16 @@ def make_edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad
         return None if found is None else found.total
 
     # each pair's reshard once: its total is the edge's cost, its parts what overlap may hide
-    found = [[None if follow and u[0] in accepted and v != u[0] else parts(u, v, split, mesh)
+    found = [[None if (follow and u[0] in accepted and v != u[0])
+              or (by_bags_only and first_dim_split(u[0]) != first_dim_split(v)) else parts(u, v, split, mesh)
               for (v, split) in dst_classes] for u in src_classes]
     cost = [[None if p is None else p.total for p in row] for row in found]
 
     def volume(u: int, v: int) -> float:  # the same collectives on a link of 1 byte/s: their bytes
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], unit_links(mesh)) or 0.0
     def unrestricted(u: int, v: int) -> float | None:
+        if by_bags_only and first_dim_split(src_classes[u][0]) != first_dim_split(dst_classes[v][0]):
+            return None
         return time(src_classes[u], dst_classes[v][0], dst_classes[v][1], mesh)
     overlappable = None
     if group >= 0:  # what of it can run beside compute (passes.reshard_cost.Parts)

@@ -34,6 +34,7 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import Captured, capture, compute_dtype_of
+from autopar.passes.embedding_bag import id_indexed
 from autopar.passes.lower import lower
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,16 @@ class Relowering:
         return lower(captured, self.plan, self.mesh, lowered, same_graph=True)
 
     def _check_divisible(self, captured: Captured, given: str) -> None:
-        """Every dim a node is split on divides evenly over the devices it is split over."""
+        """Every dim a node is split on divides evenly over the devices it is split over (not
+        the first dim of a batch's ids in bags of varying size: it splits by bags, unevenly;
+        the bags it pools into must divide)."""
         inputs = {spec.name for spec in self.plan.inputs}
+        ids = id_indexed(captured.graph)
         for node in captured.graph.nodes:
             planned = self.plan.nodes.get(node.name)
             val = node.meta.get("val")
+            if node.name in ids:
+                continue
             if planned is None or not isinstance(val, torch.Tensor) or not planned.outputs or not planned.outputs[0]:
                 continue
             spec = pl.parse_spec(planned.outputs[0])

@@ -194,7 +194,16 @@ def sparse_embedding(weight: DTensor, indices: DTensor, mesh, spec: str) -> DTen
     holds the same full gradient, so the table stays replicated."""
     groups = [mesh.get_group(d) for d, p in enumerate(indices.placements) if p.is_shard()]
     local = _SparseLookup.apply(weight.to_local(), indices.to_local(), groups)
-    return DTensor.from_local(local, mesh, placements(spec), run_check=False)
+    return _lookup_result(local, weight, indices, mesh, spec)
+
+
+def _lookup_result(local: torch.Tensor, weight: DTensor, indices: DTensor, mesh, spec: str) -> DTensor:
+    """A lookup's local rows as a DTensor of the lookup's global shape (indices' shape, then
+    the table's row shape), given, not inferred from the local piece: ids split by bags
+    (passes.bag_runtime) are split unevenly."""
+    shape = (*indices.shape, *weight.shape[1:])
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements(spec), run_check=False, shape=shape, stride=stride)
 
 
 def rowwise_embedding(weight: DTensor, indices: DTensor, mesh, spec: str) -> DTensor:
@@ -209,7 +218,7 @@ def rowwise_embedding(weight: DTensor, indices: DTensor, mesh, spec: str) -> DTe
     mine = (ids >= offsets[0]) & (ids < offsets[0] + local_weight.shape[0])
     local_ids = torch.where(mine, ids - offsets[0], torch.zeros_like(ids))
     rows = torch.nn.functional.embedding(local_ids, local_weight) * mine.unsqueeze(-1).to(local_weight.dtype)
-    return DTensor.from_local(rows, mesh, placements(spec), run_check=False)
+    return _lookup_result(rows, weight, indices, mesh, spec)
 
 
 class _SparseLookup(torch.autograd.Function):

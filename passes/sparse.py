@@ -48,7 +48,9 @@ from autopar.cluster import Link
 from autopar.comm import all_gather_s, all_reduce_s, all_to_all_s, reduce_scatter_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec
+from autopar.passes.bag_pooling import POOL_ROWS
 from autopar.passes.capture import Captured
+from autopar.passes.embedding_bag import pooling_offsets
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy, evenly_sharded
 from autopar.passes.values import evaluate, real_values
 
@@ -71,6 +73,9 @@ class Lookup:
     indices: torch.Tensor | None = None  # the lookup's real index values, when the inputs had them
     pooled_bytes: int | None = None  # whole batch's lookup results after the bag's sum/mean, when pooled
     fused: int = 1  # table-wise lookups of the graph whose exchanges go in one all-to-all (add_table_wise)
+    # where each bag's ids start (bags of varying size: their offsets, then the id count), when
+    # the inputs had them: a device's share of ids is its bags' (passes.bag_runtime)
+    bag_starts: torch.Tensor | None = None
     _touched: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -94,6 +99,8 @@ class Lookup:
         if key not in self._touched:
             if self.density is not None:
                 touched = math.ceil(self.density * self.rows)
+            elif self.indices is not None and self.bag_starts is not None and dim == 0:
+                touched = max(int(piece.unique().numel()) if piece.numel() else 0 for piece in self._by_bags(shards))
             elif self.indices is not None and self.indices.dim() > dim and self.indices.shape[dim] >= shards:
                 touched = max(int(piece.unique().numel()) for piece in self.indices.chunk(shards, dim))
             else:
@@ -101,6 +108,13 @@ class Lookup:
                 touched = math.ceil(self.rows * -math.expm1(draws * math.log1p(-1 / self.rows))) if self.rows > 1 else 1
             self._touched[key] = max(1, min(self.rows, touched))
         return self._touched[key]
+
+
+    def _by_bags(self, shards: int) -> list[torch.Tensor]:
+        """The ids each of ``shards`` devices looks up when the bags split evenly over them."""
+        bags = self.bag_starts.numel() - 1
+        cuts = [self.bag_starts[min(bags, k * math.ceil(bags / shards))] for k in range(shards + 1)]
+        return [self.indices[int(a):int(b)] for a, b in zip(cuts, cuts[1:])]
 
 
 def annotate_lookups(captured: Captured, example_inputs=None, sparsity: dict[str, float] | None = None) -> None:
@@ -125,7 +139,8 @@ def annotate_lookups(captured: Captured, example_inputs=None, sparsity: dict[str
             continue  # padding_idx / scale_grad_by_freq lookups keep the dense path
         weight, ids = node.meta["val"], user.args[1].meta["val"]
         user.meta[LOOKUP_KEY] = Lookup(fqn, weight.shape[0], weight[0].numel() * weight.element_size(), ids.numel(),
-                                       sparsity.get(fqn), evaluate(user.args[1], values), _pooled_bytes(user))
+                                       sparsity.get(fqn), evaluate(user.args[1], values), _pooled_bytes(user),
+                                       bag_starts=_bag_starts(user, values))
         found.add(fqn)
     unknown = sorted(set(sparsity) - found)
     if unknown:
@@ -139,20 +154,43 @@ POOLS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim)
 
 def _pooled_bytes(lookup: torch.fx.Node) -> int | None:
     """Bytes of the bag pooling right after a lookup (through per-sample weights' multiply),
-    when its only use is a sum or mean over dims other than the row's last."""
+    when its only use is a sum or mean over dims other than the row's last, or the pooling of
+    bags of varying size."""
+    pool = _pooling(lookup)
+    if pool is None:
+        return None
+    out = pool.meta["val"]
+    return out.numel() * out.element_size()
+
+
+def _pooling(lookup: torch.fx.Node) -> torch.fx.Node | None:
+    """The node pooling a lookup's rows into bags, through per-sample weights' multiply."""
     node = lookup
     while len(node.users) == 1:
         (user,) = node.users
         if user.target is torch.ops.aten.mul.Tensor:
             node = user
             continue
+        if user.target is POOL_ROWS and user.args[0] is node:
+            return user
         dims = user.args[1] if len(user.args) > 1 else None
         rank = node.meta["val"].dim()
         if user.target in POOLS and dims and all(d % rank != rank - 1 for d in dims):
-            out = user.meta["val"]
-            return out.numel() * out.element_size()
+            return user
         return None
     return None
+
+
+def _bag_starts(lookup: torch.fx.Node, values: dict) -> torch.Tensor | None:
+    """Where each bag's ids start, then the id count, for a lookup pooled into bags of varying
+    size whose offsets the inputs hold (passes.embedding_bag.pooling_offsets)."""
+    pool = _pooling(lookup)
+    bag = pooling_offsets(pool) if pool is not None and pool.target is POOL_ROWS else None
+    offsets = values.get(bag.offsets) if bag is not None else None
+    if offsets is None:
+        return None
+    starts = offsets[:bag.bags].to(torch.long)
+    return torch.cat([starts, torch.tensor([lookup.args[1].meta["val"].shape[0]])])
 
 
 def _split_dims(strategy: Strategy) -> list[tuple[int, int]]:

@@ -51,7 +51,8 @@ from autopar import placements as pl
 from autopar.passes.context_parallel import SEQUENCE_SPLIT, balanced_twins, context_rule
 from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
-from autopar.passes.embedding_bag import id_indexed
+from autopar.passes.bag_pooling import POOL_ROWS
+from autopar.passes.embedding_bag import bag_split_inputs, id_indexed
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +133,14 @@ def _from_single_dim(node, info, n_out, n_in) -> list[tuple]:
     return [(tuple(r[:n_out]), tuple(r[n_out:])) for r in rules]
 
 
-def _from_op_strategy(node, func, size) -> list[tuple]:
+def _from_op_strategy(node, func, size, by_bags: frozenset[str] = frozenset()) -> list[tuple]:
     mesh = _mesh_1d(size)
+    ragged = {id(a.meta["val"]) for a in tensor_args(node) if a.name in by_bags}
 
     def candidates(val):  # only even shardings: some strategy functions raise on uneven ones
         return OpStrategy([OpSpec(DTensorSpec(mesh, (dtensor_placement(p),), tensor_meta=_meta(val)))
-                           for p in leaf_candidates(val, partial=True) if evenly_sharded(val.shape, (p,), (size,))])
+                           for p in leaf_candidates(val, partial=True)
+                           if evenly_sharded(val.shape, (p,), (size,), id(val) in ragged)])
 
     try:
         specs = list(getattr(func(_schema(node, candidates)), "strategies", []))
@@ -160,8 +163,10 @@ def _from_op_strategy(node, func, size) -> list[tuple]:
     return rules
 
 
-def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tuple]] | None:
-    """(outputs, inputs) placements on a 1-D mesh of ``size``; None = no DTensor rule."""
+def one_dim_strategies(node: torch.fx.Node, size: int, by_bags: frozenset[str] = frozenset()
+                       ) -> list[tuple[tuple, tuple]] | None:
+    """(outputs, inputs) placements on a 1-D mesh of ``size``; None = no DTensor rule.
+    ``by_bags``: arguments whose first dim splits by bags, evenly or not."""
     ins = tensor_args(node)
     outs = output_vals(node)
     if node.target is operator.getitem:
@@ -178,7 +183,7 @@ def one_dim_strategies(node: torch.fx.Node, size: int) -> list[tuple[tuple, tupl
         if node.target in prop.op_single_dim_strategy_funcs:
             raw = _from_single_dim(node, prop.op_single_dim_strategy_funcs[node.target], len(outs), len(ins))
         elif node.target in prop.op_strategy_funcs:
-            raw = _from_op_strategy(node, prop.op_strategy_funcs[node.target], size)
+            raw = _from_op_strategy(node, prop.op_strategy_funcs[node.target], size, by_bags)
         else:
             return None
     except Exception as exc:  # a DTensor rule that cannot handle these args: treat as missing
@@ -243,12 +248,14 @@ def _backward_supported(op, prop) -> bool:
     return not overloads or any(_has_rule(o, prop) for o in overloads)
 
 
-def evenly_sharded(shape, spec: pl.Spec, mesh_shape: tuple[int, ...]) -> bool:
+def evenly_sharded(shape, spec: pl.Spec, mesh_shape: tuple[int, ...], by_bags: bool = False) -> bool:
+    """Whether every dim ``spec`` splits divides over its devices. ``by_bags``: the first dim
+    holds a batch's ids, split by bags (unevenly, passes.embedding_bag): it need not divide."""
     parts = [1] * len(shape)
     for p, size in zip(spec, mesh_shape):
         if p.is_shard:
             parts[p.dim] *= size
-    return all(s % k == 0 and s >= k for s, k in zip(shape, parts) if k > 1)
+    return all(s % k == 0 and s >= k for d, (s, k) in enumerate(zip(shape, parts)) if k > 1 and not (by_bags and d == 0))
 
 
 def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
@@ -257,7 +264,8 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
     of a repeated layer, which take their representative's)."""
     cache: dict = {}
     varying = {n.name for n in graph.nodes if n.op == "placeholder"}
-    counts = id_indexed(graph)  # dim 0 a batch's id count: never split
+    counts = id_indexed(graph)  # dim 0 a batch's id count: split by bags only
+    by_bags = bag_split_inputs(graph)[1] if counts else set()
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -274,21 +282,27 @@ def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
             if fallback:
                 node.meta[FALLBACK_KEY] = True
             continue
-        _enumerate_node(node, mesh_shape, node.name not in varying, cache)
+        if node.target is aten_repeat_interleave and node.name in by_bags:
+            node.meta[STRATEGIES_KEY] = bag_number_strategies(node, mesh_shape)
+        else:
+            ragged = frozenset(n for n in (node.name, *(a.name for a in node.all_input_nodes)) if n in by_bags)
+            _enumerate_node(node, mesh_shape, node.name not in varying, cache, ragged)
         if counts:
-            node.meta[STRATEGIES_KEY] = keep_id_counts_whole(node, node.meta[STRATEGIES_KEY], counts)
+            node.meta[STRATEGIES_KEY] = split_ids_by_bags_only(node, node.meta[STRATEGIES_KEY], counts, by_bags)
         if memo is not None:
             memo[memo_key] = (node.meta.get(FALLBACK_KEY, False), node.meta[STRATEGIES_KEY])
 
 
-def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: bool, cache: dict) -> None:
-    """Strategies of one node on ``mesh_shape`` (``cache``: one-dim rules by op signature)."""
+def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: bool, cache: dict,
+                    by_bags: frozenset[str] = frozenset()) -> None:
+    """Strategies of one node on ``mesh_shape`` (``cache``: one-dim rules by op signature).
+    ``by_bags``: its tensors (itself, its arguments) whose first dim splits by bags."""
     per_dim = []
     batch_only = batch_only_dims(mesh_shape)
     for dim, size in enumerate(mesh_shape):
-        key = _cache_key(node, size)
+        key = (_cache_key(node, size), by_bags)
         if key not in cache:
-            cache[key] = one_dim_strategies(node, size)
+            cache[key] = one_dim_strategies(node, size, by_bags)
         rules = cache[key]
         if rules is not None and node.target is not operator.getitem:
             rules = [r for r in rules if _worth_planning(r, constant=constant)]
@@ -301,7 +315,7 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
         node.meta[FALLBACK_KEY] = True
         node.meta[STRATEGIES_KEY] = [_replicated(node, mesh_shape)]
         return
-    strategies = _combine(node, per_dim, mesh_shape)
+    strategies = _combine(node, per_dim, mesh_shape, by_bags)
     if custom:  # DTensor's hand-written handlers (convolution) reject one dim sharded twice
         strategies = [s for s in strategies if not any(_shards_dim_twice(p) for p in (*s.outputs, *s.inputs))]
     if node.target is FUSED_ATTENTION:  # the sequence split on one mesh dim at most; causal: also balanced
@@ -310,17 +324,62 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
     node.meta[STRATEGIES_KEY] = strategies
 
 
-def keep_id_counts_whole(node: torch.fx.Node, strategies: list[Strategy], counts: set[str]) -> list[Strategy]:
-    """``strategies`` of ``node`` (an op, or an input's placements) that split no id-indexed
-    tensor (passes.embedding_bag.id_indexed) on its first dim, output or input (the
-    replicated strategy always remains)."""
+def split_ids_by_bags_only(node: torch.fx.Node, strategies: list[Strategy], counts: set[str],
+                           by_bags: set[str]) -> list[Strategy]:
+    """``strategies`` of ``node`` (an op, or an input's placements) that split the first dim of
+    its id-indexed tensors (passes.embedding_bag.id_indexed) only as a split by bags does: where
+    the node's chain may split by bags (``by_bags``: passes.embedding_bag.bag_split_inputs), and
+    then every id-indexed tensor of the strategy on the same mesh dims (a device's ids, their
+    rows and bag numbers are its own bags'). A pooling whose rows split so pools its own bags
+    (:func:`pooled_by_bags`). The replicated strategy always remains."""
+    getitem = node.target is operator.getitem
+    args = [node.args[0]] if getitem else tensor_args(node)
     outputs = [node.name in counts] * len(output_vals(node))
-    inputs = outputs if node.target is operator.getitem else [a.name in counts for a in tensor_args(node)]
+    inputs = outputs if getitem else [a.name in counts for a in args]
     if not any(outputs) and not any(inputs):
         return strategies
-    return [s for s in strategies
-            if not any(whole and spec is not None and any(d == 0 for _, d in pl.sharded_dims(spec))
-                       for whole, spec in zip((*outputs, *inputs), (*s.outputs, *s.inputs)))]
+    if node.target is POOL_ROWS:
+        strategies = pooled_by_bags(strategies)
+    allowed = node.name in by_bags if any(outputs) else all(a.name in by_bags for a, w in zip(args, inputs) if w)
+    kept = []
+    for strategy in strategies:
+        splits = {first_dim_split(spec) for whole, spec in zip((*outputs, *inputs), (*strategy.outputs, *strategy.inputs))
+                  if whole and spec is not None}
+        if splits <= {()} or (allowed and len(splits) == 1):
+            kept.append(strategy)
+    return kept
+
+
+def first_dim_split(spec: pl.Spec) -> tuple[int, ...]:
+    """The mesh dims that split a tensor's first dim."""
+    return tuple(m for m, d in pl.sharded_dims(spec) if d == 0)
+
+
+def pooled_by_bags(strategies: list[Strategy]) -> list[Strategy]:
+    """A pooling (``autopar::pool_rows``) whose rows and bag numbers split by bags pools each
+    device's own bags: its output splits by bags on those mesh dims. (The op's registered rule
+    for rows split by position gives partial bags; the planner splits ids by bags only.)"""
+    converted = []
+    for strategy in strategies:
+        out, rows = strategy.outputs[0], strategy.inputs[0]
+        by_bags = [m for m, p in enumerate(rows) if p == pl.Shard(0)]
+        if by_bags:
+            out = tuple(pl.Shard(0) if m in by_bags else p for m, p in enumerate(out))
+            strategy = Strategy((out,), strategy.inputs, strategy.exchange, strategy.state)
+        converted.append(strategy)
+    return converted
+
+
+def bag_number_strategies(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """Each id's bag number (``repeat_interleave(lengths)``, passes.embedding_bag) replicated,
+    or split by bags with the bags' lengths: a device repeats its own bags' lengths and numbers
+    its ids from its first bag (passes.bag_runtime.bag_numbers). No DTensor rule exists."""
+    lengths = node.args[0].meta["val"]
+    options = []
+    for combo in itertools.product([pl.R, pl.Shard(0)], repeat=len(mesh_shape)):
+        if evenly_sharded(lengths.shape, combo, mesh_shape):
+            options.append(Strategy((tuple(combo),), (tuple(combo),)))
+    return options
 
 
 def batch_only_dims(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -335,6 +394,7 @@ def _splits_batch_only(rule: tuple[tuple, tuple]) -> bool:
 
 
 BATCH_SPLIT = pl.Shard(0)
+aten_repeat_interleave = torch.ops.aten.repeat_interleave.Tensor  # each id's bag number
 
 
 def _worth_planning(rule: tuple[tuple, tuple], constant: bool) -> bool:
@@ -351,8 +411,10 @@ def _replicated(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> Strategy:
                     (everywhere,) * len(tensor_args(node)))
 
 
-def _combine(node, per_dim, mesh_shape) -> list[Strategy]:
+def _combine(node, per_dim, mesh_shape, by_bags: frozenset[str] = frozenset()) -> list[Strategy]:
     outs = output_vals(node)
+    out_ragged = node.name in by_bags
+    in_ragged = [a.name in by_bags for a in tensor_args(node)]
     # plain int tuples: a fake tensor's shape is rebuilt on every access
     out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in outs]
     in_shapes = [tuple(a.meta["val"].shape) for a in tensor_args(node)]
@@ -362,9 +424,10 @@ def _combine(node, per_dim, mesh_shape) -> list[Strategy]:
         in_pl = tuple(tuple(c[1][k] for c in combo) for k in range(len(in_shapes)))
         if node.target is operator.getitem:  # its "input" is the producer's output it selects
             in_pl = out_pl
-        ok = all(evenly_sharded(shape, p, mesh_shape) for shape, p in zip(out_shapes, out_pl)
+        ok = all(evenly_sharded(shape, p, mesh_shape, out_ragged) for shape, p in zip(out_shapes, out_pl)
                  if p is not None and shape is not None)
-        ok = ok and all(evenly_sharded(shape, p, mesh_shape) for shape, p in zip(in_shapes, in_pl))
+        ok = ok and all(evenly_sharded(shape, p, mesh_shape, ragged)
+                        for shape, p, ragged in zip(in_shapes, in_pl, in_ragged))
         if ok:
             result.append(Strategy(out_pl, in_pl))
     return result

@@ -11,9 +11,11 @@ from torch import nn
 import autopar
 import models
 from autopar.passes.capture import capture
-from autopar.passes.embedding_bag import id_indexed
+from autopar import placements as pl
+from autopar.passes.bag_pooling import POOL_ROWS
+from autopar.passes.embedding_bag import BagInput, bag_split_inputs, id_indexed
 from autopar.passes.memory import SAVED_KEY, annotate_saved
-from autopar.passes.strategies import tensor_args
+from autopar.passes.strategies import first_dim_split, tensor_args
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
 
@@ -101,26 +103,30 @@ def test_jagged_bags_pool_where_their_table_is_split():
 
 
 JAGGED = [("JaggedDLRM", {}, "jagged", 16, options) for options in (
-    {"configuration": "ddp"}, {"configuration": "row_wise"}, {"memory_fraction": 0.6})]
+    {"configuration": "ddp"}, {"configuration": "row_wise"}, {"memory_fraction": 0.6})] + [
+    ("JaggedDLRM", {"tables": (16384, 1024, 64)}, "jagged", 256, {})]  # Parallax's exchange for the largest
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_jagged_dlrm_trains_like_one_process(world):
-    """DLRM fed as TorchRec feeds it (1-D ids + offsets, bags of 0–5 ids, sum with
-    per-sample weights, mean, include_last_offset) trains on gloo like one process: DDP,
-    tables row-sharded with lookups routed to the rows' owners, and under a memory limit —
-    where the largest table is split by columns and its bags pooled by columns
-    (``autopar::pool_rows``' rule; before, the pooling ran replicated on gathered rows)."""
+    """DLRM fed as TorchRec feeds it (1-D ids + offsets, bags of 0–5 ids, empty ones among
+    them, sum with per-sample weights, mean, include_last_offset) trains on gloo like one
+    process: DDP with the batch split by bags (each rank its own bags' ids, however many),
+    tables row-sharded with lookups routed to the rows' owners, under a memory limit — where
+    the largest table is split by columns and its bags pooled by columns — and a batch of 256
+    bags whose largest table exchanges its gradient as the rows each rank's bags touched
+    (Parallax's sparse all-gather, from uneven pieces)."""
     cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}) for case in JAGGED]
     exchanges = assert_equivalent(cases, run_world(world, run_cases, cases))
-    assert {"row_sharded", "column_sharded"} <= exchanges, exchanges
+    assert {"row_sharded", "column_sharded", "sparse_allgather", "allreduce"} <= exchanges, exchanges
 
 
-def test_no_plan_splits_a_batch_s_ids_by_position():
-    """A batch's id count changes with every batch: no plan splits the ids, their weights,
-    lookup or bag numbers on that dim (it would hold only while the count divides), on 1-D and
-    2-D meshes, memory squeezed or not."""
+def test_plans_split_a_batch_s_ids_by_bags_only():
+    """A batch's id count changes with every batch, and a device's share of ids is its own
+    bags' (of any count): ids, their weights, lookups and bag numbers split on their first dim
+    only together, on the mesh dims that split the bags they pool into — never resharded on
+    that dim — on 1-D and 2-D meshes, memory squeezed or not; DDP splits them so."""
     torch.manual_seed(0)
     model = models.JaggedDLRM()
     inputs = models.jagged_dlrm_inputs(model, 16)
@@ -128,20 +134,45 @@ def test_no_plan_splits_a_batch_s_ids_by_position():
     id_nodes = id_indexed(captured.graph)
     assert {"ids0", "weights0", "ids1", "ids2"} <= id_nodes, id_nodes
     assert sum(name.startswith("repeat_interleave") for name in id_nodes) == 3, id_nodes
-    assert not any(name.startswith("offsets") for name in id_nodes)  # they count bags, which may split
+    assert not any(name.startswith("offsets") for name in id_nodes)  # they count bags, split as bags are
+    by_input, chains = bag_split_inputs(captured.graph)
+    assert chains == id_nodes and by_input["ids2"] == BagInput("offsets2", 16, True), by_input
     full = autopar.plan(model, inputs, cluster="4xcpu")
     for options in ({"configuration": "ddp"}, {"memory_limit": int(0.6 * full.memory.total_bytes)},
-                    {"cluster": "2x2xH100"}):
+                    {"cluster": "2x2xH100"}, {"configuration": "ddp", "cluster": "2x2xH100"}):
         plan = autopar.plan(model, inputs, **{"cluster": "4xcpu", **options})
-        placed = []  # (tensor, its placement) for every node's outputs and tensor inputs
+        splits = {}  # chain of each pooling -> the mesh dims splitting the first dim of its tensors
         for node in captured.graph.nodes:
             planned = plan.nodes.get(node.name)
-            if planned is not None:
-                placed += [(node.name, spec) for spec in planned.outputs]
-                placed += list(zip([a.name for a in tensor_args(node)], planned.inputs))
-        assert {"ids0", "embedding_default"} <= {name for name, _ in placed}, placed
-        split = [(name, spec) for name, spec in placed if name in id_nodes and "S(0)" in str(spec)]
-        assert not split, (options, split)
+            if planned is None or node.target is not POOL_ROWS:
+                continue
+            pooled = first_dim_split(pl.parse_spec(planned.outputs[0]))
+            found = set()
+            for member in _chain_of(node, id_nodes):
+                found |= {first_dim_split(pl.parse_spec(spec)) for spec in plan.nodes[member].outputs if spec}
+                consumer = plan.nodes[member]
+                args = [a.name for a in tensor_args(_node(captured, member))]
+                found |= {first_dim_split(pl.parse_spec(spec)) for a, spec in zip(args, consumer.inputs)
+                          if a in id_nodes}
+            assert found == {pooled}, (options, node.name, found, pooled)
+            splits[node.name] = pooled
+        assert len(splits) == 3, splits
+        if options.get("configuration") == "ddp":  # every pooling splits its bags, and its ids with them
+            assert all(splits.values()), (options, splits)
+
+
+def _chain_of(pool: torch.fx.Node, id_nodes: set[str]) -> set[str]:
+    chain, stack = set(), [pool.args[0], pool.args[1]]
+    while stack:
+        node = stack.pop()
+        if node.name in id_nodes and node.name not in chain:
+            chain.add(node.name)
+            stack.extend(node.all_input_nodes)
+    return chain
+
+
+def _node(captured, name: str) -> torch.fx.Node:
+    return next(n for n in captured.graph.nodes if n.name == name)
 
 
 def _varying_id_counts(world: int) -> dict:
@@ -204,3 +235,27 @@ def test_pipelines_and_replicas_refuse_bags_of_varying_size_by_name(family):
     plan = autopar.plan(model, inputs, cluster=cluster)  # the families over device groups are skipped, saying why
     for name in ("pipeline", "replicas"):
         assert "bags of varying size" in plan.families[name]["skipped"], plan.families[name]
+
+
+def test_touched_rows_of_bags_of_varying_size_are_counted_by_bags():
+    """Parallax's exchange is costed from the example ids as each device will hold them: its
+    own bags' ids (a split by bags; a split by position would cut bags and count other rows).
+    The saved ``bag_starts`` are each bag's first id, then the id count."""
+    from autopar.passes.sparse import LOOKUP_KEY, annotate_lookups
+
+    torch.manual_seed(0)
+    model = models.JaggedDLRM()
+    inputs = models.jagged_dlrm_inputs(model, 16)
+    captured = capture(model, inputs)
+    annotate_lookups(captured, inputs)
+    lookups = {n.args[1].name: n.meta[LOOKUP_KEY] for n in captured.graph.nodes if LOOKUP_KEY in n.meta}
+    ids, offsets = inputs[1], inputs[2]
+    lookup = lookups["ids0"]
+    assert lookup.bag_starts.tolist() == [*offsets.tolist(), ids.numel()]
+    for shards in (2, 4):
+        per = 16 // shards
+        pieces = [ids[offsets[k * per]:(offsets[(k + 1) * per] if (k + 1) * per < 16 else ids.numel())]
+                  for k in range(shards)]
+        assert lookup.touched_rows(shards) == max(int(p.unique().numel()) for p in pieces)
+    last = lookups["ids2"]  # include_last_offset: the offsets already end with the id count
+    assert last.bag_starts.tolist() == inputs[7].tolist()

@@ -72,8 +72,13 @@ def save_graphs(graphs: ModelGraphs, path: str | os.PathLike) -> str | None:
                         "parameter_of": captured.parameter_of, "buffer_of": captured.buffer_of,
                         "aliases": {k: list(v) for k, v in captured.aliases.items()},
                         "master_itemsize": captured.master_itemsize})
-        ids = {node.name: node.meta[LOOKUP_KEY].indices for node in captured.graph.nodes
-               if LOOKUP_KEY in node.meta and node.meta[LOOKUP_KEY].indices is not None}
+        ids = {}  # each lookup's ids, and where its bags start (bags of varying size) under "<name>/bags"
+        for node in captured.graph.nodes:
+            lookup = node.meta.get(LOOKUP_KEY)
+            if lookup is not None and lookup.indices is not None:
+                ids[node.name] = lookup.indices
+                if lookup.bag_starts is not None:
+                    ids[f"{node.name}/bags"] = lookup.bag_starts
         if ids:
             entries[-1]["lookup_ids"] = f"rows-{rows}-ids.pt"
             programs[entries[-1]["lookup_ids"]] = _tensors_bytes(ids)
@@ -159,6 +164,7 @@ def _annotated(captured: Captured, sparsity, ids: dict[str, torch.Tensor]) -> Ca
     for node in captured.graph.nodes:
         if node.name in ids:
             node.meta[LOOKUP_KEY].indices = ids[node.name]
+            node.meta[LOOKUP_KEY].bag_starts = ids.get(f"{node.name}/bags")
         node.meta[MEMO_KEY] = {}
     return captured
 

@@ -14,6 +14,7 @@ from autopar.problem import ShardingProblem
 from autopar.passes.capture import Captured
 from autopar.passes.context_parallel import BALANCED_CAUSAL, SEQUENCE_SPLIT
 from autopar.passes.cost import FUSED_ATTENTION
+from autopar.passes.embedding_bag import bag_split_inputs
 from autopar.passes.build_problem import ProblemIndex
 from autopar.passes.sparse import LOOKUP_KEY
 from autopar.solvers.baselines import Kept
@@ -53,13 +54,21 @@ def _megatron_roles(captured: Captured, index: ProblemIndex) -> list[str | None]
     return roles
 
 
-def _batch_dims(captured: Captured, index: ProblemIndex) -> list[int | None]:
+def _batch_dims(captured: Captured, index: ProblemIndex, bags_split: bool = True) -> list[int | None]:
     """Batch dimension of each user input for the data-parallel baselines: the first dim whose
-    size is the first input's leading size (DLRM's ids are (tables, batch, ids per bag))."""
+    size is the first input's leading size (DLRM's ids are (tables, batch, ids per bag)); the
+    ids of bags of varying size split by bags (passes.embedding_bag.bag_split_inputs), as
+    TorchRec's data-parallel input distribution gives each rank its own bags — unless not
+    ``bags_split`` (row-wise tables: every lookup reads the whole batch's ids, DTensor's masked
+    lookup routing each to its row's owner)."""
     batch = captured.inputs[0].shape[0] if captured.inputs and captured.inputs[0].shape else None
+    by_bags = bag_split_inputs(captured.graph)[0] if bags_split else {}
     dims: list[int | None] = []
     for name, kind in zip(index.names, index.kinds):
         spec = next((t for t in captured.inputs if t.name == name), None) if kind == "input" else None
+        if spec is not None and name in by_bags:
+            dims.append(0)
+            continue
         dims.append(next((d for d, size in enumerate(spec.shape) if size == batch), None) if spec else None)
     return dims
 
@@ -89,7 +98,8 @@ def baseline_problem(captured: Captured, problem: ShardingProblem, index: Proble
     Hand-written configurations are dense: no sparse gradient exchange. DDP also keeps every
     embedding lookup on its batch shard (table replicated, gradient all-reduced), as
     DistributedDataParallel does, rather than letting the solver gather the ids."""
-    fixed = rule(index.kinds, _leaf_options(index), _megatron_roles(captured, index), _batch_dims(captured, index))
+    fixed = rule(index.kinds, _leaf_options(index), _megatron_roles(captured, index),
+                 _batch_dims(captured, index, bags_split=name != "row_wise"))
     if fixed is None:
         return None
     if name == "ddp":

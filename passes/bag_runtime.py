@@ -10,12 +10,15 @@ the pooling into the device's own bags, which gives an even split of the pooled 
 Strategies never reshard such a tensor on that dim (passes.problem_edges), so DTensor's even
 chunking is never assumed for it.
 
-Three calls do what DTensor's own rules cannot:
+Four calls do what DTensor's own rules cannot:
   * :func:`bag_input` gives a device its bags' ids (or weights) from the full input every rank
     holds, cut where the offsets say;
   * :func:`bag_numbers` numbers each of a device's ids by its bag, from the device's own first
     bag (``repeat_interleave`` of its bags' lengths);
-  * :func:`pool_bags` pools a device's rows into its own bags.
+  * :func:`pool_bags` pools a device's rows into its own bags;
+  * :func:`id_count` reads the batch's id count (the last bag's end) from the ids as they
+    come, where the traced graph holds it as a constant: one lowered program then serves
+    batches of any id count (passes.relower).
 Gradients flow through DTensor's ``to_local`` / ``from_local``, which keep the placements.
 """
 
@@ -52,13 +55,15 @@ def bag_input(x: torch.Tensor, offsets: torch.Tensor, mesh, spec: str, bags: int
     return DTensor.from_local(piece, mesh, placements(spec), run_check=False, shape=x.shape, stride=x.stride())
 
 
-def bag_numbers(lengths: DTensor, mesh, spec: str, ids: int) -> DTensor:
+def bag_numbers(lengths: DTensor, mesh, spec: str, ids: torch.Tensor | int) -> DTensor:
     """Each of this rank's ids numbered by its bag (``repeat_interleave`` of its bags'
-    lengths), counting from its own first bag; ``ids``: the batch's id count (the global
-    size). Replicated ``spec``: every id of the batch, numbered from bag 0."""
+    lengths), counting from its own first bag. ``ids``: the full input of ids every rank
+    holds, or their count where the model computes them (the global size). Replicated
+    ``spec``: every id of the batch, numbered from bag 0."""
     local = lengths.to_local() if isinstance(lengths, DTensor) else lengths
     numbers = torch.repeat_interleave(local)
-    return DTensor.from_local(numbers, mesh, placements(spec), run_check=False, shape=(ids,), stride=(1,))
+    count = ids.shape[0] if isinstance(ids, torch.Tensor) else ids
+    return DTensor.from_local(numbers, mesh, placements(spec), run_check=False, shape=(count,), stride=(1,))
 
 
 def pool_bags(rows: DTensor, bag_of: DTensor, bags: int, mesh, spec: str) -> DTensor:
@@ -69,3 +74,10 @@ def pool_bags(rows: DTensor, bag_of: DTensor, bags: int, mesh, spec: str) -> DTe
     pooled = pool_rows(rows.to_local(), bag_of.to_local(), count)
     return DTensor.from_local(pooled, mesh, placements(spec), run_check=False, shape=shape,
                               stride=(rows.shape[1], 1))
+
+
+def id_count(ids: torch.Tensor, mesh, dtype: torch.dtype) -> DTensor:
+    """The number of ``ids`` (the full input every rank holds) as a replicated one-element
+    tensor: the end of the last bag."""
+    count = torch.tensor([ids.shape[0]], dtype=dtype, device=ids.device)
+    return DTensor.from_local(count, mesh, placements(",".join(["R"] * mesh.ndim)), run_check=False)

@@ -235,6 +235,46 @@ def pooling_offsets(pool: torch.fx.Node) -> BagInput | None:
     return BagInput(offsets.name, pool.args[2], ends.target is aten.slice.Tensor)
 
 
+def id_count_constant(pool: torch.fx.Node) -> torch.fx.Node | None:
+    """The constant holding the batch's id count in a pooling's bag lengths — the last bag's
+    end when the offsets do not end with it (``full([1], n)``, :func:`_rewrite_jagged`) — or
+    None (``include_last_offset``: the offsets hold it). Lowering reads the count from the
+    ids instead (passes.bag_runtime.id_count), so one program serves every id count."""
+    bag_of = pool.args[1]
+    if bag_of.target is not aten.repeat_interleave.Tensor or bag_of.args[0].target is not aten.sub.Tensor:
+        return None
+    ends = bag_of.args[0].args[0]
+    if ends.target is aten.cat.default and ends.args[0][-1].target is aten.full.default:
+        return ends.args[0][-1]
+    return None
+
+
+def pooling_ids(pool: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of ids whose lookup a pooling pools (through per-sample weights' multiply),
+    or None when the ids are computed inside the model."""
+    rows = pool.args[0]
+    while rows.target is aten.mul.Tensor:
+        rows = rows.args[0]
+    if rows.target is not aten.embedding.default:
+        return None
+    ids = rows.args[1]
+    return ids if ids.op == "placeholder" else None
+
+
+def count_free_inputs(graph: torch.fx.Graph) -> set[str]:
+    """Inputs of ids (and their weights) whose count no node of the lowered program holds:
+    read only by their bags' chains (:func:`id_indexed`), whose offsets are inputs and whose
+    last end is read from the ids (:func:`id_count_constant`, :func:`pooling_ids`). A call
+    with another id count runs the program lowered for the first (passes.relower)."""
+    by_input, chains = bag_split_inputs(graph)
+    pools = [n for n in graph.nodes if n.op == "call_function" and n.target is POOL_ROWS]
+    for pool in pools:
+        if pool.args[1].name in chains and pooling_ids(pool) is None:
+            return set()  # the count is a constant nothing at run time can read
+    return {name for name in by_input
+            if all(user.name in chains for user in _node(graph, name).users)}
+
+
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, bag: int, fake_mode) -> None:
     weight, indices = node.args[:2]
     weights = _argument(node, 6, "per_sample_weights", None)

@@ -48,7 +48,8 @@ from autopar.passes.attention_runtime import local_attention
 from autopar.passes.context_parallel import BALANCED_CAUSAL
 from autopar.passes.cost import FUSED_ATTENTION, is_view_op, view_chain
 from autopar.passes.dtensor_ops import relabel_experts
-from autopar.passes.embedding_bag import BagInput, bag_split_inputs
+from autopar.passes.embedding_bag import (
+    BagInput, bag_split_inputs, count_free_inputs, id_count_constant, pooling_ids)
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
@@ -70,6 +71,12 @@ def lower(captured: Captured, plan: Plan, mesh: DeviceMesh, model: nn.Module,
                            f"plan was made for a different graph (fingerprint {plan.fingerprint}, this model "
                            f"captures as {captured.fingerprint}); re-plan this model")
     gm = captured.program.module()
+    if count_free_inputs(captured.graph):
+        # every id count is read from the ids (bag_runtime.id_count): the exported module's checks
+        # of the inputs' sizes would only refuse other id counts. passes.relower decides which
+        # shapes this program serves; torch's flag for callers that validate inputs themselves.
+        gm = captured.program.module(check_guards=False)
+        gm.validate_inputs = False
     lower_module(gm, [spec.name for spec in plan.inputs], plan, mesh, model, captured)
     if plan.recompute:
         checkpoint_layers(gm, plan.recompute)
@@ -126,6 +133,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     reduce_dtype = reduce_dtype_of(plan)  # ... and gathered weights' gradients reduced in this
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
     bag_inputs, bag_chains = bag_split_inputs(graph)
+    id_counts = _id_counts(graph, bag_chains)  # before the inputs' uses are rewritten
+    ids_of_numbers = {pool.args[1].name: pooling_ids(pool) for pool in graph.nodes if pool.target is POOL_ROWS}
     for node, name in zip(user_inputs, input_names, strict=True):
         planned = plan.nodes[name].outputs[0]
         traced = node.meta.get("val")
@@ -139,6 +148,11 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         if node.target is bag_runtime.bag_input:
             node.update_arg(1, next(n for n in user_inputs if n.name == bag_inputs[node.args[0].name].offsets))
     replicated = pl.format_spec(pl.replicated(len(plan.mesh_shape)))  # as the graph's code writes it
+    for constant, ids in id_counts:  # read from the ids as they come: one program for every id count
+        dtype = constant.kwargs.get("dtype") or constant.meta["val"].dtype
+        constant.args, constant.kwargs = (ids, mesh_node, dtype), {}
+        constant.target = bag_runtime.id_count
+        produced[constant.name] = replicated
     fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
@@ -198,7 +212,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             node.args = (mesh_node, nplan.outputs[0], like, nplan.exchange == BALANCED_CAUSAL, *node.args)
             node.target = local_attention
         elif node.target is torch.ops.aten.repeat_interleave.Tensor and node.name in bag_chains:
-            ids = node.meta["val"].shape[0]  # each id's bag number: the device's own bags' (bag_runtime)
+            ids = ids_of_numbers.get(node.name) or node.meta["val"].shape[0]  # the ids input, or their count
             node.args, node.kwargs = (node.args[0], mesh_node, nplan.outputs[0], ids), {}
             node.target = bag_runtime.bag_numbers
         elif node.target is POOL_ROWS and first_dim_split(pl.parse_spec(nplan.outputs[0])):
@@ -281,7 +295,19 @@ _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redist
                   runtime.to_full, runtime.local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
                   runtime.table_wise_lookups, expert_runtime.dispatch_experts, local_attention,
-                  bag_runtime.bag_input, bag_runtime.bag_numbers, bag_runtime.pool_bags}
+                  bag_runtime.bag_input, bag_runtime.bag_numbers, bag_runtime.pool_bags, bag_runtime.id_count}
+
+
+def _id_counts(graph: torch.fx.Graph, chains: set[str]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """(constant, ids input) of each pooling split by bags whose id count is traced as a
+    constant (passes.embedding_bag.id_count_constant) and whose ids are an input."""
+    found = []
+    for pool in graph.nodes:
+        if pool.target is POOL_ROWS and pool.args[1].name in chains:
+            constant, ids = id_count_constant(pool), pooling_ids(pool)
+            if constant is not None and ids is not None:
+                found.append((constant, ids))
+    return found
 
 
 def _split_by_bags(graph: torch.fx.Graph, node: torch.fx.Node, bag: BagInput, user_inputs: list[torch.fx.Node],

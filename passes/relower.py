@@ -15,6 +15,10 @@ kept.
     >>> pmodel(x[:4])    # lowered again for 4 rows, then kept  # doctest: +SKIP
     >>> pmodel(x[:6])    # refused: "... splits over 4 devices ...; use sizes that divide by 4"  # doctest: +SKIP
 
+Bags of varying size are the exception: their ids' count changes with every batch, and the
+lowered program reads it from the ids as they come (passes.bag_runtime.id_count), so a call
+whose only other sizes are id counts runs the first lowering (:meth:`Relowering.module_for`).
+
 Every rank must call with the same shapes (lowering creates no process group, but the
 collectives of the new program are matched rank by rank).
 """
@@ -34,7 +38,7 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import Captured, capture, compute_dtype_of
-from autopar.passes.embedding_bag import id_indexed
+from autopar.passes.embedding_bag import count_free_inputs, id_indexed
 from autopar.passes.lower import lower
 
 log = logging.getLogger(__name__)
@@ -76,16 +80,26 @@ class Relowering:
         self.by_shapes: dict[tuple, torch.fx.GraphModule] = {}
         self.planned_sizes = {node.name: tuple(node.meta["val"].shape) for node in captured.graph.nodes
                               if isinstance(node.meta.get("val"), torch.Tensor)}
+        free = count_free_inputs(captured.graph)  # ids whose count the lowered program reads as they come
+        self.any_id_count = {k for k, spec in enumerate(plan.inputs) if spec.name in free}
 
     def module_for(self, inputs: tuple, lowered: nn.Module) -> torch.fx.GraphModule:
         """The planned program (``lowered.lowered[0]``) at the planned shapes, else the plan
         lowered at these shapes, once per shape."""
         key = shapes_of(inputs)
-        if [shape for shape, _ in key] == [tuple(spec.shape) for spec in self.plan.inputs]:
+        if self._planned_shapes([shape for shape, _ in key]):
             return lowered.lowered[0]
         if key not in self.by_shapes:
             self.by_shapes[key] = self.lower(inputs, lowered)
         return self.by_shapes[key]
+
+    def _planned_shapes(self, shapes: list) -> bool:
+        """Whether inputs of ``shapes`` run the planned program: the planned shapes, but for
+        the count of ids in bags of varying size (any count; bags split by bags)."""
+        planned = [tuple(spec.shape) for spec in self.plan.inputs]
+        return len(shapes) == len(planned) and all(
+            given == want or (k in self.any_id_count and given is not None and len(given) == len(want) == 1)
+            for k, (given, want) in enumerate(zip(shapes, planned)))
 
     def lower(self, inputs: tuple, lowered: nn.Module) -> torch.fx.GraphModule:
         """The plan lowered for ``inputs``' shapes; ``lowered`` holds the first lowering's

@@ -204,6 +204,8 @@ def _varying_id_counts(world: int) -> dict:
             errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()))
         state, ref = pmodel.full_state_dict(), dict(reference.named_parameters())
         errors["param"] = max((state[n] - p.detach()).abs().max().item() for n, p in ref.items())
+        errors["lowered_again"] = len(pmodel.relowering.by_shapes)
+        errors["ids_split"] = pmodel.plan.nodes["ids0"].outputs[0]
         found[name] = errors
     return found
 
@@ -211,11 +213,14 @@ def _varying_id_counts(world: int) -> dict:
 @pytest.mark.distributed
 def test_jagged_dlrm_keeps_training_when_a_batch_s_id_count_changes():
     """Batches of 16 bags holding 48, 36, 33 and 36 ids: every one trains like one process
-    (the third's 33 ids would not divide over 2 devices had the plan split them)."""
+    (the third's 33 ids split by bags, unevenly, under DDP), on the one program lowered for the
+    first: the id count is read from the ids as they come (bag_runtime.id_count), not traced."""
     found = run_world(2, _varying_id_counts, 2)
     for name, errors in found.items():
         assert errors["id_counts"] == [48, 36, 33, 36], errors
         assert errors["loss"] < 1e-5 and errors["param"] < 1e-5, (name, errors)
+        assert errors["lowered_again"] == 0, (name, errors)
+    assert found["ddp"]["ids_split"] == "S(0)", found
 
 
 @pytest.mark.parametrize("family", ["pipeline", "replicas"])

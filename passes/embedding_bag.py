@@ -261,6 +261,19 @@ def pooling_ids(pool: torch.fx.Node) -> torch.fx.Node | None:
     return ids if ids.op == "placeholder" else None
 
 
+def pooling_weights(pool: torch.fx.Node) -> tuple[bool, torch.fx.Node | None]:
+    """(whether a pooling's rows are weighted, the input of per-sample weights when they are
+    one): the rows multiplied by ``unsqueeze(weights, -1)`` (:func:`_rewrite_jagged`)."""
+    rows = pool.args[0]
+    if rows.target is not aten.mul.Tensor:
+        return False, None
+    scale = rows.args[1]
+    if isinstance(scale, torch.fx.Node) and scale.target is aten.unsqueeze.default \
+            and scale.args[0].op == "placeholder":
+        return True, scale.args[0]
+    return True, None
+
+
 def count_free_inputs(graph: torch.fx.Graph) -> set[str]:
     """Inputs of ids (and their weights) whose count no node of the lowered program holds:
     read only by their bags' chains (:func:`id_indexed`), whose offsets are inputs and whose

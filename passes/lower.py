@@ -52,7 +52,7 @@ from autopar.passes.embedding_bag import (
     BagInput, bag_split_inputs, count_free_inputs, id_count_constant, pooling_ids)
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
-from autopar.passes.fuse import fuse_dispatches, fuse_table_wise
+from autopar.passes.fuse import bag_pools, fuse_dispatches, fuse_table_wise
 from autopar.passes.place_state import distribute_state
 from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
@@ -134,6 +134,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
     bag_inputs, bag_chains = bag_split_inputs(graph)
     id_counts = _id_counts(graph, bag_chains)  # before the inputs' uses are rewritten
+    bags = bag_pools(graph)  # ... and what a table-wise table's owner pools bags of varying size from
     ids_of_numbers = {pool.args[1].name: pooling_ids(pool) for pool in graph.nodes if pool.target is POOL_ROWS}
     for node, name in zip(user_inputs, input_names, strict=True):
         planned = plan.nodes[name].outputs[0]
@@ -234,7 +235,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         if not nplan.inputs and nplan.outputs:
             new = _insert_after(graph, node, runtime.replicate_constant, (node, mesh_node))
             produced[new.name] = produced[node.name]
-    fuse_table_wise(graph, plan, mesh_node, table_wise)
+    fuse_table_wise(graph, plan, mesh_node, table_wise, bags)
     for node in reversed(graph.nodes):  # compute copies (and their views) every gather now bypasses
         if node.name in weights and not node.users and node.op == "call_function" and (
                 node.target is runtime.compute_copy or is_view_op(node)):

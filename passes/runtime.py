@@ -316,17 +316,25 @@ def table_wise_lookups(weights: list[DTensor], ids: list[DTensor], mesh, dim: in
     """Lookups in tables that each live whole on one device of mesh dim ``dim`` (placement
     "O", passes.sparse.add_table_wise), with their bags pooled, as one exchange: each owner
     looks up and pools its tables' bags for the whole batch it sees (``pools[t]``: (dims,
-    mean)), then one all-to-all sends every device of the dim its batch shard of every
-    table's pooled rows (``rests[t]``: a pooled row's shape). Backward sends the gradients
-    back the same way; a table's gradient never leaves its owner. Returns DTensors placed
-    ``specs[t]``."""
+    mean) for bags of one size; ("bags", offsets, per-sample weights or None,
+    include_last_offset) for bags of varying size, the full inputs every rank holds, summed by
+    torch's ``embedding_bag``), then one all-to-all sends every device of the dim its batch
+    shard of every table's pooled rows (``rests[t]``: a pooled row's shape). Backward sends the
+    gradients back the same way; a table's gradient never leaves its owner. Returns DTensors
+    placed ``specs[t]``."""
     me = mesh.get_local_rank(dim)
     owners = tuple(getattr(w, OWNED_ATTR)[2] for w in weights)
-    local_ids = [i.to_local() for i in ids]
-    batch = local_ids[0].shape[0]
+    local_ids = [i.to_local() if isinstance(i, DTensor) else i for i in ids]
+    batch = _bags(pools[0]) if pools[0][0] == "bags" else local_ids[0].shape[0]
     pooled = []
     for t, weight in enumerate(weights):
-        if owners[t] == me:
+        if owners[t] == me and pools[t][0] == "bags":
+            _, offsets, scale, last = pools[t]
+            table = weight.to_local()
+            scale = None if scale is None else scale.to(table.dtype)
+            pooled.append(torch.nn.functional.embedding_bag(local_ids[t], table, offsets, mode="sum",
+                                                            per_sample_weights=scale, include_last_offset=last))
+        elif owners[t] == me:
             rows = torch.nn.functional.embedding(local_ids[t], weight.to_local())
             dims, mean = pools[t]
             pooled.append(rows.mean(dims) if mean else rows.sum(dims))
@@ -336,6 +344,12 @@ def table_wise_lookups(weights: list[DTensor], ids: list[DTensor], mesh, dim: in
     outs = _TableExchange.apply(mesh.get_group(dim), mesh.size(dim), me, owners, tuple(map(tuple, rests)), batch,
                                 (weights[0].dtype, local_ids[0].device), anchor, *pooled)
     return tuple(DTensor.from_local(o, mesh, placements(spec), run_check=False) for o, spec in zip(outs, specs))
+
+
+def _bags(pool: tuple) -> int:
+    """How many bags a ("bags", offsets, weights, include_last_offset) pooling makes."""
+    _, offsets, _, last = pool
+    return offsets.shape[0] - (1 if last else 0)
 
 
 class _TableExchange(torch.autograd.Function):

@@ -50,7 +50,7 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec
 from autopar.passes.bag_pooling import POOL_ROWS
 from autopar.passes.capture import Captured
-from autopar.passes.embedding_bag import pooling_offsets
+from autopar.passes.embedding_bag import pooling_ids, pooling_offsets, pooling_weights
 from autopar.passes.strategies import STRATEGIES_KEY, Strategy, evenly_sharded
 from autopar.passes.values import evaluate, real_values
 
@@ -213,10 +213,19 @@ def add_sparse_exchange(graph: torch.fx.Graph) -> None:
 
 def pooling_of(lookup: torch.fx.Node) -> torch.fx.Node | None:
     """The bag's sum or mean that alone reads a lookup's rows, over dims other than the row's
-    (keepdim off, no dtype): what a table's owner computes before sending (table-wise)."""
+    (keepdim off, no dtype): what a table's owner computes before sending (table-wise). For
+    bags of varying size, their pooling (through the per-sample weights' multiply) when the
+    ids, offsets and weights are inputs: the owner pools every bag of the batch from them."""
     if len(lookup.users) != 1:
         return None
     (user,) = lookup.users
+    jagged = user
+    if jagged.target is torch.ops.aten.mul.Tensor and jagged.args[0] is lookup and len(jagged.users) == 1:
+        (jagged,) = jagged.users
+    if jagged.target is POOL_ROWS:
+        weighted, weights = pooling_weights(jagged)
+        whole = pooling_offsets(jagged) is not None and pooling_ids(jagged) is lookup.args[1]
+        return jagged if whole and (weights is not None or not weighted) else None
     if user.target not in POOLS or user.kwargs or len(user.args) > 3 or (len(user.args) == 3 and user.args[2]):
         return None
     dims, rank = (user.args[1] if len(user.args) > 1 else None), lookup.meta["val"].dim()
@@ -233,12 +242,15 @@ def add_table_wise(graph: torch.fx.Graph, mesh_shape: tuple[int, ...]) -> None:
     (the twin's output ``Shard(0)`` there); backward sends the gradients the other way and
     the table's gradient stays on its owner. Twins come from strategies with the table and
     the ids replicated (so the owner's copies along the other mesh dims compute the same
-    gradient and need no sum)."""
+    gradient and need no sum). Bags of varying size too: the twin splits the lookup's rows by
+    bags (as the pooled bags split), and lowering has the owner pool every bag of the batch
+    from the full inputs (passes.fuse.bag_pools)."""
     eligible = [n for n in graph.nodes if LOOKUP_KEY in n.meta and STRATEGIES_KEY in n.meta
                 and pooling_of(n) is not None]
     for node in eligible:
         node.meta[LOOKUP_KEY].fused = len(eligible)
-        shape = node.meta["val"].shape
+        pool = pooling_of(node)  # bags of varying size: the lookup's rows split by bags, the bags evenly
+        shape = pool.meta["val"].shape if pool.target is POOL_ROWS else node.meta["val"].shape
         strategies = [s for s in node.meta[STRATEGIES_KEY] if s.exchange != TABLE_WISE]
         twins = []
         for s in strategies:

@@ -104,7 +104,11 @@ def test_jagged_bags_pool_where_their_table_is_split():
 
 JAGGED = [("JaggedDLRM", {}, "jagged", 16, options) for options in (
     {"configuration": "ddp"}, {"configuration": "row_wise"}, {"memory_fraction": 0.6})] + [
-    ("JaggedDLRM", {"tables": (16384, 1024, 64)}, "jagged", 256, {})]  # Parallax's exchange for the largest
+    # 256 bags, float64 (a hot row sums hundreds of gradient contributions, in another order):
+    # the largest table whole on one device (4-wide rows; on 4 ranks a 2x2 mesh, "R,O"), or
+    # exchanging the rows each device's bags touched (64-wide rows)
+    ("JaggedDLRM", {"tables": (16384, 1024, 64), "dim": 4}, "jagged", 256, {}, "float64"),
+    ("JaggedDLRM", {"tables": (16384, 1024, 64), "dim": 64}, "jagged", 256, {}, "float64")]
 
 
 @pytest.mark.distributed
@@ -114,12 +118,13 @@ def test_jagged_dlrm_trains_like_one_process(world):
     them, sum with per-sample weights, mean, include_last_offset) trains on gloo like one
     process: DDP with the batch split by bags (each rank its own bags' ids, however many),
     tables row-sharded with lookups routed to the rows' owners, under a memory limit — where
-    the largest table is split by columns and its bags pooled by columns — and a batch of 256
-    bags whose largest table exchanges its gradient as the rows each rank's bags touched
-    (Parallax's sparse all-gather, from uneven pieces)."""
-    cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}) for case in JAGGED]
+    the largest table is split by columns and its bags pooled by columns — and batches of 256
+    bags whose largest table lives whole on one device, which pools every bag of the batch and
+    sends each device its share (TorchRec's table-wise), or exchanges its gradient as the rows
+    each rank's bags touched (Parallax's sparse all-gather, from uneven pieces)."""
+    cases = [(*case[:4], {**case[4], "cluster": f"{world}xcpu"}, *case[5:]) for case in JAGGED]
     exchanges = assert_equivalent(cases, run_world(world, run_cases, cases))
-    assert {"row_sharded", "column_sharded", "sparse_allgather", "allreduce"} <= exchanges, exchanges
+    assert {"row_sharded", "column_sharded", "table_wise", "sparse_allgather", "allreduce"} <= exchanges, exchanges
 
 
 def test_plans_split_a_batch_s_ids_by_bags_only():

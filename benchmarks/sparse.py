@@ -6,7 +6,9 @@ greedy table-wise placement, in predicted step time and bytes each device sends 
 Models (on the meta device; no weights allocated):
   * DLRM-like with the 8 largest and all 26 Criteo-Kaggle tables (dim 64, batch 2048 per
     device, 8 ids per bag), on "8xA100-80GB" and "4x8xA100-80GB", and the 26 tables on
-    "8xL4" (24 GB: the tables' training state does not fit on one device);
+    "8xL4" (24 GB: the tables' training state does not fit on one device); the 8 tables also
+    fed as bags of varying size (1-D ids + offsets, 8 ids per bag on average: the batch split
+    by bags, passes.bag_runtime);
   * a language model with an 800k × 1024 vocabulary (Parallax's LM1B shape: 20 tokens × 128
     sequences per device), a dense 2-layer MLP and a 1024-wide head.
 Access densities come from a Zipf(1.05) sample of ids per device (what the example inputs
@@ -89,6 +91,39 @@ def dlrm_case(tables: tuple[int, ...], devices: int, per_device: int = 2048, bag
         inputs = (torch.zeros(batch, 13), torch.zeros(len(tables), batch, bag, dtype=torch.long))
     sparsity = {f"embeddings.{i}.weight": zipf_density(rows, per_device * bag, seed=i) for i, rows in enumerate(tables)}
     return model, inputs, sparsity
+
+
+class JaggedDLRM(nn.Module):
+    """The DLRM of examples/dlrm.py fed as TorchRec and DLRM's data loaders feed it: each
+    table's ids flat (1-D) with offsets marking bags of varying size, ``bag(ids, offsets)``."""
+
+    def __init__(self, tables: tuple[int, ...], dim: int = 64, dense: int = 13) -> None:
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(dense, 512), nn.ReLU(), nn.Linear(512, dim))
+        self.embeddings = nn.ModuleList([nn.EmbeddingBag(rows, dim, mode="sum") for rows in tables])
+        pairs = (len(tables) + 1) * len(tables) // 2
+        self.top = nn.Sequential(nn.Linear(dim + pairs, 512), nn.ReLU(), nn.Linear(512, 1))
+
+    def forward(self, dense, *ids_and_offsets):
+        x = self.bottom(dense)
+        pooled = [bag(ids_and_offsets[2 * t], ids_and_offsets[2 * t + 1]) for t, bag in enumerate(self.embeddings)]
+        features = torch.stack([x] + pooled, dim=1)
+        scores = torch.bmm(features, features.transpose(1, 2))
+        i, j = torch.triu_indices(features.shape[1], features.shape[1], offset=1)
+        return self.top(torch.cat([x, scores[:, i, j]], dim=1))
+
+
+def jagged_dlrm_case(tables: tuple[int, ...], devices: int, per_device: int = 2048, bag: int = 8):
+    """Bags of varying size, ``bag`` ids each on average (on the meta device: the plan sees
+    the id count per table, the densities come from ``sparsity=`` as for the fixed bags)."""
+    batch = per_device * devices
+    with torch.device("meta"):
+        model = JaggedDLRM(tables)
+        inputs = [torch.zeros(batch, 13)]
+        for _ in tables:
+            inputs += [torch.zeros(batch * bag, dtype=torch.long), torch.zeros(batch, dtype=torch.long)]
+    sparsity = {f"embeddings.{i}.weight": zipf_density(rows, per_device * bag, seed=i) for i, rows in enumerate(tables)}
+    return model, tuple(inputs), sparsity
 
 
 def lm_case(devices: int, per_device: int = 128, seq: int = 20):
@@ -238,6 +273,7 @@ def main() -> None:
         devices = Cluster.from_spec(cluster).num_devices
         top8 = tuple(sorted(CRITEO_KAGGLE, reverse=True)[:8])
         cases += [("dlrm-8-tables", *dlrm_case(top8, devices), 8, cluster),
+                  ("dlrm-8-tables-jagged", *jagged_dlrm_case(top8, devices), 8, cluster),
                   ("dlrm-26-tables", *dlrm_case(CRITEO_KAGGLE, devices), 8, cluster),
                   ("lm-800k-vocab", *lm_case(devices), 1, cluster)]
     # memory-bound: 26 tables × (weights, gradients, two AdamW states) = 34.6 GB, more than an L4's

@@ -137,7 +137,8 @@ def _rewrite_jagged(graph: torch.fx.Graph, node: torch.fx.Node, fake_mode) -> No
         starts = add(aten.slice.Tensor, offsets, 0, 0, bags)
         ends = add(aten.slice.Tensor, offsets, 0, 1, bags + 1) if last else add(
             aten.cat.default, [add(aten.slice.Tensor, offsets, 0, 1, bags),
-                               add(aten.full.default, [1], n, dtype=offsets.meta["val"].dtype)])
+                               add(aten.full.default, [1], n, dtype=offsets.meta["val"].dtype,
+                                   device=offsets.meta["val"].device)])
         lengths = add(aten.sub.Tensor, ends, starts)  # (bags,): ids per bag, 0 for an empty one
         bag_of = add(aten.repeat_interleave.Tensor, lengths, output_size=n)  # (N,): each id's bag
         pooled = add(POOL_ROWS, rows, bag_of, bags)  # (bags, dim)

@@ -142,9 +142,10 @@ def _emit_table_wise(graph: torch.fx.Graph, plan: Plan, mesh_node: torch.fx.Node
                      run: list[tuple[torch.fx.Node, torch.fx.Node]], bags: dict[str, tuple]) -> None:
     position = {n: k for k, n in enumerate(graph.nodes)}
     specs = [plan.nodes[lookup.name].outputs[0] for lookup, _ in run]  # pooled: the lookup's batch split
-    pools = [bags[pool.name] if pool.target in _BAG_POOLS else (tuple(pool.args[1]), pool.target is torch.ops.aten.mean.dim)
-             for _, pool in run]
-    read = [a for lookup, _ in run for a in lookup.args[:2]] + [a for p in pools for a in p if isinstance(a, torch.fx.Node)]
+    pools = [bags[pool.name] if pool.target in _BAG_POOLS
+             else (tuple(pool.args[1]), pool.target is torch.ops.aten.mean.dim) for _, pool in run]
+    read = [a for lookup, _ in run for a in lookup.args[:2]]  # and the offsets and weights bags pool from
+    read += [a for p in pools for a in p if isinstance(a, torch.fx.Node)]
     last_input = max(read, key=position.get)
     args = ([lookup.args[0] for lookup, _ in run], [lookup.args[1] for lookup, _ in run], mesh_node,
             pl.owned_dim(plan.nodes[run[0][0].name].input_spec(0)), pools,

@@ -42,14 +42,13 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes import bag_runtime, expert_runtime, runtime
-from autopar.passes.bag_pooling import POOL_ROWS
+from autopar.passes.bag_lower import BagLowering
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
 from autopar.passes.attention_runtime import local_attention
 from autopar.passes.context_parallel import BALANCED_CAUSAL
 from autopar.passes.cost import FUSED_ATTENTION, is_view_op, view_chain
 from autopar.passes.dtensor_ops import relabel_experts
-from autopar.passes.embedding_bag import (
-    BagInput, bag_split_inputs, count_free_inputs, id_count_constant, pooling_ids)
+from autopar.passes.embedding_bag import count_free_inputs
 from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import bag_pools, fuse_dispatches, fuse_table_wise
@@ -57,7 +56,6 @@ from autopar.passes.place_state import distribute_state
 from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
-from autopar.passes.strategies import first_dim_split
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -132,28 +130,17 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
     compute_dtype = compute_dtype_of(plan)  # mixed precision: weights and inputs cast for compute
     reduce_dtype = reduce_dtype_of(plan)  # ... and gathered weights' gradients reduced in this
     user_inputs = [n for n in graph.nodes if n.op == "placeholder"]
-    bag_inputs, bag_chains = bag_split_inputs(graph)
-    id_counts = _id_counts(graph, bag_chains)  # before the inputs' uses are rewritten
-    bags = bag_pools(graph)  # ... and what a table-wise table's owner pools bags of varying size from
-    ids_of_numbers = {pool.args[1].name: pooling_ids(pool) for pool in graph.nodes if pool.target is POOL_ROWS}
+    bag_lowering = BagLowering(graph)  # bags of varying size, read before the inputs' uses are rewritten
+    bags = bag_pools(graph)  # ... and what a table-wise table's owner pools them from
     for node, name in zip(user_inputs, input_names, strict=True):
         planned = plan.nodes[name].outputs[0]
         traced = node.meta.get("val")
         cast = traced.dtype if compute_dtype is not None and isinstance(traced, torch.Tensor) else None
-        if node.name in bag_inputs and first_dim_split(pl.parse_spec(planned)):
-            new = _split_by_bags(graph, node, bag_inputs[node.name], user_inputs, (mesh_node, planned, cast))
-        else:
-            new = _insert_after(graph, node, runtime.distribute_input, (node, mesh_node, planned, cast))
+        new = bag_lowering.distribute(node, mesh_node, planned, cast) or _insert_after(
+            graph, node, runtime.distribute_input, (node, mesh_node, planned, cast))
         produced[new.name] = planned
-    for node in graph.nodes:  # a cut by bags reads the full offsets, not their distributed copy
-        if node.target is bag_runtime.bag_input:
-            node.update_arg(1, next(n for n in user_inputs if n.name == bag_inputs[node.args[0].name].offsets))
     replicated = pl.format_spec(pl.replicated(len(plan.mesh_shape)))  # as the graph's code writes it
-    for constant, ids in id_counts:  # read from the ids as they come: one program for every id count
-        dtype = constant.kwargs.get("dtype") or constant.meta["val"].dtype
-        constant.args, constant.kwargs = (ids, mesh_node, dtype), {}
-        constant.target = bag_runtime.id_count
-        produced[constant.name] = replicated
+    bag_lowering.after_inputs(mesh_node, replicated, produced)
     fuse_dispatches(gm, plan, mesh_node, produced)
     table_wise: list[torch.fx.Node] = []
     for node in list(graph.nodes):
@@ -212,13 +199,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             like = (tuple(traced.shape), tuple(traced.stride())) if isinstance(traced, torch.Tensor) else None
             node.args = (mesh_node, nplan.outputs[0], like, nplan.exchange == BALANCED_CAUSAL, *node.args)
             node.target = local_attention
-        elif node.target is torch.ops.aten.repeat_interleave.Tensor and node.name in bag_chains:
-            ids = ids_of_numbers.get(node.name) or node.meta["val"].shape[0]  # the ids input, or their count
-            node.args, node.kwargs = (node.args[0], mesh_node, nplan.outputs[0], ids), {}
-            node.target = bag_runtime.bag_numbers
-        elif node.target is POOL_ROWS and first_dim_split(pl.parse_spec(nplan.outputs[0])):
-            node.args = (*node.args[:3], mesh_node, nplan.outputs[0])  # each device pools its own bags
-            node.target = bag_runtime.pool_bags
+        elif bag_lowering.rewrite(node, nplan.outputs[0], mesh_node):  # bags of varying size
+            pass
         elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
@@ -297,33 +279,6 @@ _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redist
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
                   runtime.table_wise_lookups, expert_runtime.dispatch_experts, local_attention,
                   bag_runtime.bag_input, bag_runtime.bag_numbers, bag_runtime.pool_bags, bag_runtime.id_count}
-
-
-def _id_counts(graph: torch.fx.Graph, chains: set[str]) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
-    """(constant, ids input) of each pooling split by bags whose id count is traced as a
-    constant (passes.embedding_bag.id_count_constant) and whose ids are an input."""
-    found = []
-    for pool in graph.nodes:
-        if pool.target is POOL_ROWS and pool.args[1].name in chains:
-            constant, ids = id_count_constant(pool), pooling_ids(pool)
-            if constant is not None and ids is not None:
-                found.append((constant, ids))
-    return found
-
-
-def _split_by_bags(graph: torch.fx.Graph, node: torch.fx.Node, bag: BagInput, user_inputs: list[torch.fx.Node],
-                   args: tuple) -> torch.fx.Node:
-    """``node`` (an input of ids or per-sample weights) cut by bags for each device
-    (bag_runtime.bag_input), from the full offsets input every rank holds: inserted after the
-    last input, so the offsets are defined before it reads them."""
-    offsets = next(n for n in user_inputs if n.name == bag.offsets)
-    with graph.inserting_after(user_inputs[-1]):
-        new = graph.call_function(bag_runtime.bag_input, (node, offsets, args[0], args[1], bag.bags, args[2]))
-    new.meta["val"] = node.meta.get("val")
-    for user in list(node.users):
-        if user is not new:
-            user.replace_input_with(node, new)
-    return new
 
 
 def _gathers(have: str | None, want: str) -> bool:

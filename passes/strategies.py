@@ -255,7 +255,8 @@ def evenly_sharded(shape, spec: pl.Spec, mesh_shape: tuple[int, ...], by_bags: b
     for p, size in zip(spec, mesh_shape):
         if p.is_shard:
             parts[p.dim] *= size
-    return all(s % k == 0 and s >= k for d, (s, k) in enumerate(zip(shape, parts)) if k > 1 and not (by_bags and d == 0))
+    return all(s % k == 0 and s >= k for d, (s, k) in enumerate(zip(shape, parts))
+               if k > 1 and not (by_bags and d == 0))
 
 
 def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
@@ -343,8 +344,8 @@ def split_ids_by_bags_only(node: torch.fx.Node, strategies: list[Strategy], coun
     allowed = node.name in by_bags if any(outputs) else all(a.name in by_bags for a, w in zip(args, inputs) if w)
     kept = []
     for strategy in strategies:
-        splits = {first_dim_split(spec) for whole, spec in zip((*outputs, *inputs), (*strategy.outputs, *strategy.inputs))
-                  if whole and spec is not None}
+        specs = zip((*outputs, *inputs), (*strategy.outputs, *strategy.inputs))
+        splits = {first_dim_split(spec) for whole, spec in specs if whole and spec is not None}
         if splits <= {()} or (allowed and len(splits) == 1):
             kept.append(strategy)
     return kept

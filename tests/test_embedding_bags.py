@@ -269,3 +269,24 @@ def test_touched_rows_of_bags_of_varying_size_are_counted_by_bags():
         assert lookup.touched_rows(shards) == max(int(p.unique().numel()) for p in pieces)
     last = lookups["ids2"]  # include_last_offset: the offsets already end with the id count
     assert last.bag_starts.tolist() == inputs[7].tolist()
+
+
+def test_bags_of_varying_size_on_the_meta_device_plan():
+    """The last bag's end, made while rewriting, lives on the offsets' device: a model on the
+    meta device (as benchmarks plan the Criteo tables; or on a GPU) captures and plans with its
+    ids split by bags (before, the rewrite's constant was made on the CPU and the capture
+    failed: "found at least two devices, meta and cpu")."""
+    with torch.device("meta"):
+        model = nn.EmbeddingBag(1000, 8, mode="sum")
+        ids, offsets = torch.zeros(40, dtype=torch.long), torch.zeros(8, dtype=torch.long)
+
+    class Bags(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = model
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+
+    plan = autopar.plan(Bags(), (ids, offsets), cluster="2xcpu", configuration="ddp")
+    assert plan.nodes["ids"].outputs == ("S(0)",)

@@ -17,7 +17,7 @@ Bottom to top, each layer and what it may import from the project:
   solvers   autopar.solvers, autopar.solvers.*             types, solvers; no torch
   lowering  autopar.passes.{lower, pipeline_lower,         types, ops, analysis, lowering
             replica_lower, fuse, grad_sync, runtime,
-            attention_runtime, bag_runtime, materialize},
+            attention_runtime, bag_runtime, bag_lower, materialize},
             autopar.parallel
   planning  autopar.planning, autopar.planning.*           all but the face
   face      autopar (the package), autopar.{api, cli, cli_args,     anything
@@ -62,7 +62,7 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sparse", "stack_experts", "stages", "strategies", "symbolic",
     "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "attention_runtime", "expert_runtime", "bag_runtime", "materialize", "recompute", "reshard", "split_loss", "relower",
+                                            "runtime", "attention_runtime", "expert_runtime", "bag_runtime", "bag_lower", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe", "place_state", "row_order_checkpoint")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "cli_commands", "model_files",
                                                 "report", "plan_diff", "html_report", "profile", "profile_collectives", "timeline",

@@ -25,7 +25,7 @@ Gradients flow through DTensor's ``to_local`` / ``from_local``, which keep the p
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autopar.passes.bag_pooling import pool_rows
@@ -80,4 +80,4 @@ def id_count(ids: torch.Tensor, mesh, dtype: torch.dtype) -> DTensor:
     """The number of ``ids`` (the full input every rank holds) as a replicated one-element
     tensor: the end of the last bag."""
     count = torch.tensor([ids.shape[0]], dtype=dtype, device=ids.device)
-    return DTensor.from_local(count, mesh, placements(",".join(["R"] * mesh.ndim)), run_check=False)
+    return DTensor.from_local(count, mesh, [Replicate()] * mesh.ndim, run_check=False)

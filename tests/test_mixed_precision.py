@@ -149,6 +149,11 @@ WORLD2 = [
     # ModuleList experts on their owners (expert parallel)
     ("MoEGPT", {"d": 32, "hidden": 256, "experts": 8, "module_list": True, "skew": 1.0}, "tokens", 8,
      {"cluster": "2xcpu", "mixed_precision": "bf16"}),
+    # bags of varying size split by bags (per-sample weights cast with the inputs), and the
+    # largest table table-wise, its owner pooling every bag with the weights in bf16
+    ("JaggedDLRM", {}, "jagged", 16, {"cluster": "2xcpu", "configuration": "ddp", "mixed_precision": "bf16"}),
+    ("JaggedDLRM", {"tables": (16384, 1024, 64), "dim": 64}, "jagged", 256,
+     {"cluster": "2xcpu", "mixed_precision": "bf16"}),
 ]
 # routing is discrete: a token whose top-k choice bf16 round-off flips takes another expert's
 # output, an O(1) change for that token (observed 11% of the output's scale); its gradients
@@ -179,6 +184,7 @@ def test_bf16_equivalence_two_processes():
     assert exchanges[0] == {"allreduce"} and exchanges[1] == {"reduce_scatter"}
     assert "table_wise" in exchanges[3] and "expert_parallel" in exchanges[5]
     assert results[4]["zero"] > 0
+    assert "table_wise" in exchanges[7]  # the jagged DLRM's largest table
 
 
 @pytest.mark.distributed

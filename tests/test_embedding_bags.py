@@ -211,6 +211,11 @@ def _varying_id_counts(world: int) -> dict:
         errors["param"] = max((state[n] - p.detach()).abs().max().item() for n, p in ref.items())
         errors["lowered_again"] = len(pmodel.relowering.by_shapes)
         errors["ids_split"] = pmodel.plan.nodes["ids0"].outputs[0]
+        for bags in (8, 48):  # evaluation at half and three times as many bags: lowered again, once each
+            inputs = models.jagged_dlrm_inputs(model, bags, seed=7)
+            with torch.no_grad():
+                errors[f"eval_{bags}"] = (pmodel(*inputs) - reference(*inputs)).abs().max().item()
+        errors["lowered_for_eval"] = len(pmodel.relowering.by_shapes) - errors["lowered_again"]
         found[name] = errors
     return found
 
@@ -219,12 +224,15 @@ def _varying_id_counts(world: int) -> dict:
 def test_jagged_dlrm_keeps_training_when_a_batch_s_id_count_changes():
     """Batches of 16 bags holding 48, 36, 33 and 36 ids: every one trains like one process
     (the third's 33 ids split by bags, unevenly, under DDP), on the one program lowered for the
-    first: the id count is read from the ids as they come (bag_runtime.id_count), not traced."""
+    first: the id count is read from the ids as they come (bag_runtime.id_count), not traced.
+    Evaluation at 8 and 48 bags (other shapes: lowered again, once each) gives the model's
+    outputs."""
     found = run_world(2, _varying_id_counts, 2)
     for name, errors in found.items():
         assert errors["id_counts"] == [48, 36, 33, 36], errors
         assert errors["loss"] < 1e-5 and errors["param"] < 1e-5, (name, errors)
-        assert errors["lowered_again"] == 0, (name, errors)
+        assert errors["lowered_again"] == 0 and errors["lowered_for_eval"] == 2, (name, errors)
+        assert errors["eval_8"] < 1e-5 and errors["eval_48"] < 1e-5, (name, errors)
     assert found["ddp"]["ids_split"] == "S(0)", found
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_flatten
 
 from autopar.passes.bag_pooling import POOL_ROWS
 from autopar.passes.graph_edit import call_with_value
@@ -287,6 +288,23 @@ def count_free_inputs(graph: torch.fx.Graph) -> set[str]:
             return set()  # the count is a constant nothing at run time can read
     return {name for name in by_input
             if all(user.name in chains for user in _node(graph, name).users)}
+
+
+def literals_but_id_counts(graph: torch.fx.Graph) -> list[tuple[str, tuple]]:
+    """Every call's arguments that are not tensors (sizes, dims, constants), by node, but those
+    lowering reads from the ids as they come (:func:`id_count_constant`, each id's bag
+    number's ``output_size``). Two traces at other id counts that give the same list hold no
+    id count anywhere else — e.g. no view or constant made from ``ids.numel()`` in the model's
+    own code — so one lowered program serves both (passes.relower checks it once)."""
+    pools = [n for n in graph.nodes if n.op == "call_function" and n.target is POOL_ROWS]
+    skip = {pool.args[1].name for pool in pools}
+    skip |= {c.name for c in map(id_count_constant, pools) if c is not None}
+    found = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.name not in skip:
+            flat = [a for a in tree_flatten((node.args, node.kwargs))[0] if not isinstance(a, torch.fx.Node)]
+            found.append((node.name, tuple(repr(a) for a in flat)))
+    return found
 
 
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, bag: int, fake_mode) -> None:

@@ -38,7 +38,7 @@ from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.passes.capture import Captured, capture, compute_dtype_of
-from autopar.passes.embedding_bag import count_free_inputs, id_indexed
+from autopar.passes.embedding_bag import count_free_inputs, id_indexed, literals_but_id_counts
 from autopar.passes.lower import lower
 
 log = logging.getLogger(__name__)
@@ -82,12 +82,17 @@ class Relowering:
                               if isinstance(node.meta.get("val"), torch.Tensor)}
         free = count_free_inputs(captured.graph)  # ids whose count the lowered program reads as they come
         self.any_id_count = {k for k, spec in enumerate(plan.inputs) if spec.name in free}
+        self.literals = literals_but_id_counts(captured.graph) if self.any_id_count else []
+        self.count_free: bool | None = None  # checked by a trace at the first other id count
 
     def module_for(self, inputs: tuple, lowered: nn.Module) -> torch.fx.GraphModule:
         """The planned program (``lowered.lowered[0]``) at the planned shapes, else the plan
         lowered at these shapes, once per shape."""
         key = shapes_of(inputs)
-        if self._planned_shapes([shape for shape, _ in key]):
+        shapes = [shape for shape, _ in key]
+        if shapes == [tuple(spec.shape) for spec in self.plan.inputs]:
+            return lowered.lowered[0]
+        if self._planned_shapes(shapes) and self._count_free(inputs):
             return lowered.lowered[0]
         if key not in self.by_shapes:
             self.by_shapes[key] = self.lower(inputs, lowered)
@@ -100,6 +105,22 @@ class Relowering:
         return len(shapes) == len(planned) and all(
             given == want or (k in self.any_id_count and given is not None and len(given) == len(want) == 1)
             for k, (given, want) in enumerate(zip(shapes, planned)))
+
+    def _count_free(self, inputs: tuple) -> bool:
+        """Whether the planned program serves other id counts: checked once, by tracing the
+        model at these inputs (the same graph, and no id count held anywhere but where
+        lowering reads it from the ids: passes.embedding_bag.literals_but_id_counts). When not,
+        every shape is lowered again, as any other."""
+        if self.count_free is None:
+            self.count_free = False
+            if self.model is not None:
+                captured = capture(self.model, inputs, compute_dtype_of(self.plan))
+                self.count_free = (structure(captured.graph) == self.structure
+                                   and literals_but_id_counts(captured.graph) == self.literals)
+            if not self.count_free:
+                log.info("the model holds a batch's id count outside its bags' lowering: every id count is lowered "
+                         "again")
+        return self.count_free
 
     def lower(self, inputs: tuple, lowered: nn.Module) -> torch.fx.GraphModule:
         """The plan lowered for ``inputs``' shapes; ``lowered`` holds the first lowering's

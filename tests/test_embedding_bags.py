@@ -298,3 +298,63 @@ def test_bags_of_varying_size_on_the_meta_device_plan():
 
     plan = autopar.plan(Bags(), (ids, offsets), cluster="2xcpu", configuration="ddp")
     assert plan.nodes["ids"].outputs == ("S(0)",)
+
+
+class _CountingBags(nn.Module):
+    """Bags whose pooled rows the model scales by the batch's id count (``ids.numel()``, a
+    Python int: the trace holds it as a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(64, 4, mode="sum")
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids, offsets):
+        return self.head(self.bag(ids, offsets) * (10.0 / ids.numel()))
+
+
+def _id_count_in_the_model(world: int) -> dict:
+    import copy
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = _CountingBags()
+    reference = copy.deepcopy(model)
+
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(0, 5, (8,), generator=g)
+        ids = torch.randint(0, 64, (int(lengths.sum()),), generator=g)
+        return (ids, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])), torch.randn(8, 1)
+
+    pmodel = autopar.parallelize(model, batch(1)[0], cluster=f"{world}xcpu", loss_fn=F.mse_loss, configuration="ddp")
+    found = {"loss": 0.0, "counts": []}
+    for seed in (1, 3, 4):  # 19, 8 and 18 ids
+        inputs, target = batch(seed)
+        found["counts"].append(inputs[0].numel())
+        loss = pmodel.step(*inputs, target=target)
+        ref_loss = F.mse_loss(reference(*inputs), target)
+        ref_loss.backward()
+        for p in reference.parameters():  # plain SGD on the reference; the parallel one by hand
+            p.data -= 0.1 * p.grad
+            p.grad = None
+        for p in pmodel.parameters():
+            p.data -= 0.1 * p.grad
+            p.grad = None
+        found["loss"] = max(found["loss"], abs(loss.item() - ref_loss.item()))
+    found["lowered_again"] = len(pmodel.relowering.by_shapes)
+    found["count_free"] = pmodel.relowering.count_free
+    return found
+
+
+@pytest.mark.distributed
+def test_a_model_holding_the_id_count_itself_is_lowered_again_per_count():
+    """A model that reads ``ids.numel()`` in its own code holds the id count where lowering
+    cannot read it from the ids: the first other count is traced once, found to differ
+    (passes.embedding_bag.literals_but_id_counts), and every count is lowered again, as any
+    other shape — the step stays the model's."""
+    found = run_world(2, _id_count_in_the_model, 2)
+    assert len(set(found["counts"])) == 3, found
+    assert found["count_free"] is False and found["lowered_again"] == 2, found
+    assert found["loss"] < 1e-5, found

@@ -109,7 +109,6 @@ class Lookup:
             self._touched[key] = max(1, min(self.rows, touched))
         return self._touched[key]
 
-
     def _by_bags(self, shards: int) -> list[torch.Tensor]:
         """The ids each of ``shards`` devices looks up when the bags split evenly over them."""
         bags = self.bag_starts.numel() - 1

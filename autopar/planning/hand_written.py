@@ -60,14 +60,17 @@ def _batch_dims(captured: Captured, index: ProblemIndex, bags_split: bool = True
     ids of bags of varying size split by bags (passes.embedding_bag.bag_split_inputs), as
     TorchRec's data-parallel input distribution gives each rank its own bags — unless not
     ``bags_split`` (row-wise tables: every lookup reads the whole batch's ids, DTensor's masked
-    lookup routing each to its row's owner)."""
+    lookup routing each to its row's owner). Their offsets stay whole: a device reads the
+    offsets of every bag to find its own (each bag's length needs the next bag's offset), as
+    TorchRec's input distribution sends each rank its bags' lengths."""
     batch = captured.inputs[0].shape[0] if captured.inputs and captured.inputs[0].shape else None
     by_bags = bag_split_inputs(captured.graph)[0] if bags_split else {}
+    offsets = {bag.offsets for bag in bag_split_inputs(captured.graph)[0].values()}
     dims: list[int | None] = []
     for name, kind in zip(index.names, index.kinds):
         spec = next((t for t in captured.inputs if t.name == name), None) if kind == "input" else None
-        if spec is not None and name in by_bags:
-            dims.append(0)
+        if spec is not None and (name in by_bags or name in offsets):
+            dims.append(0 if name in by_bags else None)
             continue
         dims.append(next((d for d, size in enumerate(spec.shape) if size == batch), None) if spec else None)
     return dims

@@ -21,7 +21,10 @@ row-wise table), pooled into partial bags then reduced or reduce-scattered by ba
 TorchRec's data-parallel input distribution splits them: each device takes an even share of
 the bags and their ids, however many (:func:`bag_split_inputs`; lowered by
 passes.bag_runtime), and its lookups, its touched rows (Parallax's sparse exchange) and its
-pooled bags are its own. ``max`` mode, ``padding_idx`` and ``scale_grad_by_freq`` stay as they
+pooled bags are its own. Costs treat such a split as an even one of the ids (each device 1/n of
+the batch's lookups and their rows' memory); the device holding the most ids takes longer by
+its excess, which the plan does not see (the touched rows, from the example ids, are counted
+by bags: passes.sparse). ``max`` mode, ``padding_idx`` and ``scale_grad_by_freq`` stay as they
 are (they run replicated and forward-only; a warning says so).
 """
 

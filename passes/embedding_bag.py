@@ -182,12 +182,10 @@ def bag_split_inputs(graph: torch.fx.Graph) -> tuple[dict[str, BagInput], set[st
     inputs: dict[str, BagInput] = {}
     conflicting: set[str] = set()
     chains = _chains(graph)
+    placeholders = {n.name for n in graph.nodes if n.op == "placeholder"}
     for pool, chain in chains:
         found = pooling_offsets(pool)
-        for name in sorted(chain):
-            node = _node(graph, name)
-            if node is None or node.op != "placeholder":
-                continue
+        for name in sorted(chain & placeholders):
             if found is None or inputs.setdefault(name, found) != found:
                 conflicting.add(name)
     splittable: set[str] = set()
@@ -195,10 +193,6 @@ def bag_split_inputs(graph: torch.fx.Graph) -> tuple[dict[str, BagInput], set[st
         if not chain & conflicting and any(name in inputs for name in chain):
             splittable |= chain
     return {name: bag for name, bag in inputs.items() if name in splittable}, splittable
-
-
-def _node(graph: torch.fx.Graph, name: str) -> torch.fx.Node | None:
-    return next((n for n in graph.nodes if n.name == name), None)
 
 
 def _chains(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, set[str]]]:
@@ -289,8 +283,8 @@ def count_free_inputs(graph: torch.fx.Graph) -> set[str]:
     for pool in pools:
         if pool.args[1].name in chains and pooling_ids(pool) is None:
             return set()  # the count is a constant nothing at run time can read
-    return {name for name in by_input
-            if all(user.name in chains for user in _node(graph, name).users)}
+    return {node.name for node in graph.nodes
+            if node.name in by_input and all(user.name in chains for user in node.users)}
 
 
 def literals_but_id_counts(graph: torch.fx.Graph) -> list[tuple[str, tuple]]:

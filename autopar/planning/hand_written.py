@@ -64,8 +64,9 @@ def _batch_dims(captured: Captured, index: ProblemIndex, bags_split: bool = True
     offsets of every bag to find its own (each bag's length needs the next bag's offset), as
     TorchRec's input distribution sends each rank its bags' lengths."""
     batch = captured.inputs[0].shape[0] if captured.inputs and captured.inputs[0].shape else None
-    by_bags = bag_split_inputs(captured.graph)[0] if bags_split else {}
-    offsets = {bag.offsets for bag in bag_split_inputs(captured.graph)[0].values()}
+    split = bag_split_inputs(captured.graph)[0]
+    by_bags = split if bags_split else {}
+    offsets = {bag.offsets for bag in split.values()}
     dims: list[int | None] = []
     for name, kind in zip(index.names, index.kinds):
         spec = next((t for t in captured.inputs if t.name == name), None) if kind == "input" else None

@@ -14,8 +14,8 @@ import torch
 from autopar import placements as pl
 from autopar.passes import bag_runtime
 from autopar.passes.bag_pooling import POOL_ROWS
-from autopar.passes.embedding_bag import bag_split_inputs, id_count_constant, pooling_ids
-from autopar.passes.strategies import first_dim_split
+from autopar.passes.embedding_bag import bag_split_inputs, id_count_constant, pooling_ids, poolings
+from autopar.passes.bag_strategies import first_dim_split
 
 
 class BagLowering:
@@ -27,7 +27,7 @@ class BagLowering:
         self.graph = graph
         self.inputs, self.chains = bag_split_inputs(graph)
         self.placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
-        pools = [n for n in graph.nodes if n.op == "call_function" and n.target is POOL_ROWS]
+        pools = poolings(graph)
         self.ids_of_numbers = {pool.args[1].name: pooling_ids(pool) for pool in pools}  # bag numbers -> ids input
         counts = [(id_count_constant(pool), pooling_ids(pool)) for pool in pools if pool.args[1].name in self.chains]
         self.id_counts = [(constant, ids) for constant, ids in counts if constant is not None and ids is not None]

@@ -34,6 +34,7 @@ from autopar.devices import DeviceSpec
 from autopar.mesh import MeshSpec
 from autopar.plan_types import LOSS_SPLIT_DIMS
 from autopar.problem import Edge, ShardingProblem, any_overlap
+from autopar.passes.bag_strategies import split_ids_by_bags_only
 from autopar.passes.capture import Captured
 from autopar.passes.context_parallel import causal_imbalance, gathered_kv_bytes, kv_exchange_s
 from autopar.passes.cost import COST_KEY, FUSED_ATTENTION, tensor_bytes
@@ -50,8 +51,8 @@ from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
 from autopar.passes.stages import layer_order, node_layer
 from autopar.passes.strategy_exchanges import exchange_s
 from autopar.passes.strategies import (
-    FALLBACK_KEY, STRATEGIES_KEY, Strategy, enumerate_strategies, evenly_sharded, split_ids_by_bags_only,
-    leaf_candidates, output_vals, work_split)
+    FALLBACK_KEY, STRATEGIES_KEY, enumerate_strategies, leaf_candidates, work_split)
+from autopar.passes.strategy_types import Strategy, evenly_sharded, output_vals
 
 SAVED_CLASSES = ("matmul", "attention")  # what selective recomputation keeps (passes.recompute saves them)
 OUTPUT = "<output>"

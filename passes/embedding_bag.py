@@ -220,14 +220,24 @@ def _chains(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, set[str]]]:
     return chains
 
 
-def pooling_offsets(pool: torch.fx.Node) -> BagInput | None:
-    """The offsets input of a pooling as :func:`_rewrite_jagged` builds it (its bag numbers
-    repeat the lengths ``ends - starts``, ``starts`` the offsets' first ``bags``), or None when
-    they are computed inside the model."""
+def _bag_lengths(pool: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(ends, starts) of a pooling's bag lengths ``ends - starts`` as :func:`_rewrite_jagged`
+    builds its bag numbers (``repeat_interleave`` of them), or None for another pooling."""
     bag_of = pool.args[1]
     if bag_of.target is not aten.repeat_interleave.Tensor or bag_of.args[0].target is not aten.sub.Tensor:
         return None
     ends, starts = bag_of.args[0].args[:2]
+    return ends, starts
+
+
+def pooling_offsets(pool: torch.fx.Node) -> BagInput | None:
+    """The offsets input of a pooling as :func:`_rewrite_jagged` builds it (its bag numbers
+    repeat the lengths ``ends - starts``, ``starts`` the offsets' first ``bags``), or None when
+    they are computed inside the model."""
+    lengths = _bag_lengths(pool)
+    if lengths is None:
+        return None
+    ends, starts = lengths
     offsets = starts.args[0] if starts.target is aten.slice.Tensor else None
     if offsets is None or offsets.op != "placeholder":
         return None
@@ -239,13 +249,18 @@ def id_count_constant(pool: torch.fx.Node) -> torch.fx.Node | None:
     end when the offsets do not end with it (``full([1], n)``, :func:`_rewrite_jagged`) — or
     None (``include_last_offset``: the offsets hold it). Lowering reads the count from the
     ids instead (passes.bag_runtime.id_count), so one program serves every id count."""
-    bag_of = pool.args[1]
-    if bag_of.target is not aten.repeat_interleave.Tensor or bag_of.args[0].target is not aten.sub.Tensor:
+    lengths = _bag_lengths(pool)
+    if lengths is None:
         return None
-    ends = bag_of.args[0].args[0]
+    ends = lengths[0]
     if ends.target is aten.cat.default and ends.args[0][-1].target is aten.full.default:
         return ends.args[0][-1]
     return None
+
+
+def poolings(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's poolings of bags of varying size (``autopar::pool_rows``), in graph order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is POOL_ROWS]
 
 
 def pooling_ids(pool: torch.fx.Node) -> torch.fx.Node | None:
@@ -279,7 +294,7 @@ def count_free_inputs(graph: torch.fx.Graph) -> set[str]:
     last end is read from the ids (:func:`id_count_constant`, :func:`pooling_ids`). A call
     with another id count runs the program lowered for the first (passes.relower)."""
     by_input, chains = bag_split_inputs(graph)
-    pools = [n for n in graph.nodes if n.op == "call_function" and n.target is POOL_ROWS]
+    pools = poolings(graph)
     for pool in pools:
         if pool.args[1].name in chains and pooling_ids(pool) is None:
             return set()  # the count is a constant nothing at run time can read
@@ -293,7 +308,7 @@ def literals_but_id_counts(graph: torch.fx.Graph) -> list[tuple[str, tuple]]:
     number's ``output_size``). Two traces at other id counts that give the same list hold no
     id count anywhere else — e.g. no view or constant made from ``ids.numel()`` in the model's
     own code — so one lowered program serves both (passes.relower checks it once)."""
-    pools = [n for n in graph.nodes if n.op == "call_function" and n.target is POOL_ROWS]
+    pools = poolings(graph)
     skip = {pool.args[1].name for pool in pools}
     skip |= {c.name for c in map(id_count_constant, pools) if c is not None}
     found = []

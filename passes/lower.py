@@ -56,6 +56,7 @@ from autopar.passes.place_state import distribute_state
 from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
+from autopar.passes.stages import node_layer
 
 MESH_ATTR = "_autopar_mesh"
 
@@ -93,7 +94,7 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     distribute_state(gm, plan, mesh, model, captured, sync_on_accumulate, owner_meshes)
     setattr(gm, MESH_ATTR, mesh)
     overlap = plan.options.get("overlap", True)  # off: the program's collectives wait where issued
-    gathers = WeightGathers(overlap)
+    gathers = WeightGathers(overlap, plan.options.get("prefetch_layers", 1))
     setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
@@ -177,7 +178,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                 with graph.inserting_before(node):
                     if arg.name in weights and _gathers(have, want):  # FSDP: gathered again for backward
                         moved = _gather_weight(graph, arg, have, want, produced, (gathers, mesh_node),
-                                               compute_dtype, reduce_dtype)
+                                               compute_dtype, reduce_dtype, node_layer(node))
                     else:
                         moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
                     moved.meta["val"] = arg.meta.get("val")
@@ -243,7 +244,8 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 
 
 def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want: str, produced: dict,
-                   attrs: tuple[torch.fx.Node, torch.fx.Node], compute_dtype, reduce_dtype) -> torch.fx.Node:
+                   attrs: tuple[torch.fx.Node, torch.fx.Node], compute_dtype, reduce_dtype,
+                   layer: str | None) -> torch.fx.Node:
     """A sharded weight (or a view of it, a transposed matrix) gathered for its reader, as
     FSDP2 does: the parameter as it is stored is gathered — a plain all-gather along its
     sharded dims, which can run asynchronously (a transposed shard would need its pieces
@@ -253,7 +255,8 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
     compute copy but the fp32 master, so it casts before it moves the shard and its backward
     reduces the gradient in ``reduce_dtype`` onto the master (FSDP2's
     ``MixedPrecisionPolicy``). Inserted before the reader; passes.prefetch moves the gather a
-    layer ahead."""
+    layer ahead. ``layer``: the reader's, with which backward gathers the weight again
+    (passes.reshard, backward prefetch)."""
     gathers, mesh_node = attrs
     root, views = view_chain(weight)  # stops at a compute copy (no view)
     stored = produced.get(root.name)
@@ -264,7 +267,7 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
     whole = tuple(pl.R if a.is_shard and b is pl.R else s for a, b, s in
                   zip(pl.parse_spec(have), pl.parse_spec(want), pl.parse_spec(stored)))
     value = graph.call_method("gather", (gathers, root, mesh_node, pl.format_spec(whole), compute_dtype,
-                                         reduce_dtype))
+                                         reduce_dtype, layer))
     for view in reversed(views):
         replayed = graph.call_function(view.target, (value, *view.args[1:]), dict(view.kwargs))
         replayed.meta = {k: v for k, v in view.meta.items() if k != "nn_module_stack"}

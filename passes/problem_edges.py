@@ -16,7 +16,8 @@ from autopar.problem import Edge
 from autopar.passes.cost import COST_KEY
 from autopar.passes.reshard_cost import Parts, reshard_parts, unit_links
 from autopar.passes.sparse import SPARSE_ALLGATHER, TABLE_WISE
-from autopar.passes.strategies import Strategy, first_dim_split, output_vals, tensor_args
+from autopar.passes.bag_strategies import first_dim_split
+from autopar.passes.strategy_types import Strategy, output_vals, tensor_args
 
 
 def edge_args(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int]]:

@@ -34,7 +34,6 @@ import itertools
 import logging
 import math
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,14 +44,14 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
     _fill_single_dim_strategy_placeholders,
     _insert_single_dim_replication_strategy,
 )
-from torch.utils._pytree import tree_flatten
 
 from autopar import placements as pl
 from autopar.passes.context_parallel import SEQUENCE_SPLIT, balanced_twins, context_rule
 from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
-from autopar.passes.bag_pooling import POOL_ROWS
+from autopar.passes.bag_strategies import bag_number_strategies, split_ids_by_bags_only
 from autopar.passes.embedding_bag import bag_split_inputs, id_indexed
+from autopar.passes.strategy_types import Strategy, evenly_sharded, output_vals, tensor_args  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -61,37 +60,6 @@ FALLBACK_KEY = "autopar.fallback"
 MEMO_KEY = "autopar.strategy_memo"  # {(mesh shape, constant): (fallback, strategies)}, opt-in
 
 _warned_ops: set[str] = set()
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """Placements (a spec, one placement per mesh dim, each) of a node's tensor outputs and
-    tensor inputs."""
-
-    outputs: tuple[pl.Spec | None, ...]
-    inputs: tuple[pl.Spec, ...]
-    # "" for DTensor's own rules; "sparse_allgather": a lookup that exchanges its table's
-    # gradient as touched rows itself (passes.sparse), so the table's edge carries no gradient
-    exchange: str = ""
-    # a parameter's optimizer-state placement when it differs from how the parameter is used
-    # (ZeRO-2: used replicated, fp32 master, gradient and states sharded); None: the same
-    state: pl.Spec | None = None
-
-    @property
-    def stored(self) -> pl.Spec | None:
-        """Where a parameter's master weight, gradient and optimizer states live."""
-        return self.state if self.state is not None else self.outputs[0]
-
-
-def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Tensor-valued argument nodes in DTensor's flattening order (args, then kwargs)."""
-    flat, _ = tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
-
-
-def output_vals(node: torch.fx.Node) -> list:
-    val = node.meta.get("val")
-    return list(val) if isinstance(val, (list, tuple)) else [val]
 
 
 def leaf_candidates(val: torch.Tensor, partial: bool) -> list[pl.Placement]:
@@ -248,17 +216,6 @@ def _backward_supported(op, prop) -> bool:
     return not overloads or any(_has_rule(o, prop) for o in overloads)
 
 
-def evenly_sharded(shape, spec: pl.Spec, mesh_shape: tuple[int, ...], by_bags: bool = False) -> bool:
-    """Whether every dim ``spec`` splits divides over its devices. ``by_bags``: the first dim
-    holds a batch's ids, split by bags (unevenly, passes.embedding_bag): it need not divide."""
-    parts = [1] * len(shape)
-    for p, size in zip(spec, mesh_shape):
-        if p.is_shard:
-            parts[p.dim] *= size
-    return all(s % k == 0 and s >= k for d, (s, k) in enumerate(zip(shape, parts))
-               if k > 1 and not (by_bags and d == 0))
-
-
 def enumerate_strategies(graph: torch.fx.Graph, mesh_shape: tuple[int, ...],
                          skip: "set[str] | dict[str, str]" = frozenset()) -> None:
     """Attach the list of N-D strategies to every call_function node not in ``skip`` (copies
@@ -323,64 +280,6 @@ def _enumerate_node(node: torch.fx.Node, mesh_shape: tuple[int, ...], constant: 
         strategies = [s for s in strategies if sum(p == SEQUENCE_SPLIT for p in s.outputs[0]) <= 1]
         strategies += balanced_twins(node, strategies, mesh_shape)
     node.meta[STRATEGIES_KEY] = strategies
-
-
-def split_ids_by_bags_only(node: torch.fx.Node, strategies: list[Strategy], counts: set[str],
-                           by_bags: set[str]) -> list[Strategy]:
-    """``strategies`` of ``node`` (an op, or an input's placements) that split the first dim of
-    its id-indexed tensors (passes.embedding_bag.id_indexed) only as a split by bags does: where
-    the node's chain may split by bags (``by_bags``: passes.embedding_bag.bag_split_inputs), and
-    then every id-indexed tensor of the strategy on the same mesh dims (a device's ids, their
-    rows and bag numbers are its own bags'). A pooling whose rows split so pools its own bags
-    (:func:`pooled_by_bags`). The replicated strategy always remains."""
-    getitem = node.target is operator.getitem
-    args = [node.args[0]] if getitem else tensor_args(node)
-    outputs = [node.name in counts] * len(output_vals(node))
-    inputs = outputs if getitem else [a.name in counts for a in args]
-    if not any(outputs) and not any(inputs):
-        return strategies
-    if node.target is POOL_ROWS:
-        strategies = pooled_by_bags(strategies)
-    allowed = node.name in by_bags if any(outputs) else all(a.name in by_bags for a, w in zip(args, inputs) if w)
-    kept = []
-    for strategy in strategies:
-        specs = zip((*outputs, *inputs), (*strategy.outputs, *strategy.inputs))
-        splits = {first_dim_split(spec) for whole, spec in specs if whole and spec is not None}
-        if splits <= {()} or (allowed and len(splits) == 1):
-            kept.append(strategy)
-    return kept
-
-
-def first_dim_split(spec: pl.Spec) -> tuple[int, ...]:
-    """The mesh dims that split a tensor's first dim."""
-    return tuple(m for m, d in pl.sharded_dims(spec) if d == 0)
-
-
-def pooled_by_bags(strategies: list[Strategy]) -> list[Strategy]:
-    """A pooling (``autopar::pool_rows``) whose rows and bag numbers split by bags pools each
-    device's own bags: its output splits by bags on those mesh dims. (The op's registered rule
-    for rows split by position gives partial bags; the planner splits ids by bags only.)"""
-    converted = []
-    for strategy in strategies:
-        out, rows = strategy.outputs[0], strategy.inputs[0]
-        by_bags = [m for m, p in enumerate(rows) if p == pl.Shard(0)]
-        if by_bags:
-            out = tuple(pl.Shard(0) if m in by_bags else p for m, p in enumerate(out))
-            strategy = Strategy((out,), strategy.inputs, strategy.exchange, strategy.state)
-        converted.append(strategy)
-    return converted
-
-
-def bag_number_strategies(node: torch.fx.Node, mesh_shape: tuple[int, ...]) -> list[Strategy]:
-    """Each id's bag number (``repeat_interleave(lengths)``, passes.embedding_bag) replicated,
-    or split by bags with the bags' lengths: a device repeats its own bags' lengths and numbers
-    its ids from its first bag (passes.bag_runtime.bag_numbers). No DTensor rule exists."""
-    lengths = node.args[0].meta["val"]
-    options = []
-    for combo in itertools.product([pl.R, pl.Shard(0)], repeat=len(mesh_shape)):
-        if evenly_sharded(lengths.shape, combo, mesh_shape):
-            options.append(Strategy((tuple(combo),), (tuple(combo),)))
-    return options
 
 
 def batch_only_dims(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -15,7 +15,8 @@ from autopar import placements as pl
 from autopar.passes.bag_pooling import POOL_ROWS
 from autopar.passes.embedding_bag import BagInput, bag_split_inputs, id_indexed
 from autopar.passes.memory import SAVED_KEY, annotate_saved
-from autopar.passes.strategies import first_dim_split, tensor_args
+from autopar.passes.bag_strategies import first_dim_split
+from autopar.passes.strategy_types import tensor_args
 from distributed import run_world
 from equivalence import assert_equivalent, run_cases
 

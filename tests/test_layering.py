@@ -12,8 +12,8 @@ Bottom to top, each layer and what it may import from the project:
             capture, context_parallel, cost, decompose,
             embedding_bag, expert_dispatch, expert_order, experts,
             layers, layer_recompute, memory, build_problem, sparse,
-            stack_experts, stages, strategies,
-            symbolic, values
+            stack_experts, stages, strategies, strategy_types,
+            bag_strategies, symbolic, values
   solvers   autopar.solvers, autopar.solvers.*             types, solvers; no torch
   lowering  autopar.passes.{lower, pipeline_lower,         types, ops, analysis, lowering
             replica_lower, fuse, grad_sync, runtime,
@@ -59,7 +59,7 @@ TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "clus
 OPS = {"autopar.passes.dtensor_ops", "autopar.passes.expert_mm", "autopar.passes.bag_pooling"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "context_parallel", "cost", "decompose", "embedding_bag", "graph_edit", "expert_dispatch", "expert_order", "experts", "grouped_experts", "layers", "layer_recompute", "memory",
-    "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sparse", "stack_experts", "stages", "strategies", "symbolic",
+    "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sparse", "stack_experts", "stages", "strategies", "strategy_types", "bag_strategies", "symbolic",
     "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "attention_runtime", "expert_runtime", "bag_runtime", "bag_lower", "materialize", "recompute", "reshard", "split_loss", "relower",

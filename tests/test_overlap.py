@@ -3,6 +3,8 @@ parameter collectives hide behind its compute, everything else stays on the crit
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from torch import nn
@@ -230,11 +232,13 @@ def test_gradient_all_reduces_run_inside_the_backward_pass():
     assert error < 1e-5
 
 
-def _fsdp_worker(overlap: bool = True, prefetch_layers: int = 1):
+def _fsdp_worker(overlap: bool = True, prefetch_layers: int = 1, regathers: bool = False):
     """One FSDP step of a 4-layer ResidualMLP on this rank: the lowered code, which gradients
     arrived while their reduce-scatter was still in flight, and how far the gradients are from
-    one process's."""
+    one process's (with ``regathers``, also how many of backward's weight gathers were issued
+    ahead of need and when needed, for a second step)."""
     from autopar.passes.grad_sync import reducing
+    from autopar.passes.reshard import WEIGHT_GATHERS_ATTR
 
     model, x, target, reference = _model_and_reference(4, 1024)
     pmodel = autopar.parallelize(model, (x,), loss_fn=torch.nn.functional.mse_loss, configuration="fsdp",
@@ -244,7 +248,31 @@ def _fsdp_worker(overlap: bool = True, prefetch_layers: int = 1):
         param.register_post_accumulate_grad_hook(lambda p, name=name: in_flight.update({name: reducing(p)}))
     pmodel.step(x, target=target)
     settled = not any(reducing(p) for p in pmodel.parameters())
-    return pmodel.code, in_flight, _gradient_error(pmodel, reference), settled
+    found = pmodel.code, in_flight, _gradient_error(pmodel, reference), settled
+    if not regathers:
+        return found
+    counted = [module for module in pmodel.lowered if hasattr(module, WEIGHT_GATHERS_ATTR)]
+    for module in counted:
+        getattr(module, WEIGHT_GATHERS_ATTR).regathers.clear()
+    pmodel.zero_grad(set_to_none=True)
+    pmodel.step(x, target=target)
+    return found, dict(sum((getattr(module, WEIGHT_GATHERS_ATTR).regathers for module in counted), Counter()))
+
+
+def test_backward_gathers_a_layer_s_weights_while_the_layer_after_it_computes():
+    """FSDP2's backward prefetch: when backward first needs a weight of layer k, the rest of
+    layer k's weights and all of layer k − 1's are gathered again — so of the 7 weights backward
+    needs again (layer 0's first is never saved: its input needs no gradient; biases are not
+    saved) only the very first is gathered when needed — and the gradients stay one process's.
+    ``prefetch_layers=0`` gathers each one when it is needed."""
+    from tests.distributed import run_world
+
+    (code, in_flight, error, settled), regathers = run_world(2, _fsdp_worker, True, 1, True)
+    assert regathers == {"ahead": 6, "when_needed": 1}, regathers
+    assert error < 1e-5 and settled
+    (code, in_flight, error, settled), regathers = run_world(2, _fsdp_worker, True, 0, True)
+    assert regathers == {"when_needed": 7}, regathers
+    assert error < 1e-5 and settled
 
 
 def test_fsdp_gathers_run_a_layer_ahead_and_reductions_during_backward():

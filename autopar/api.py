@@ -59,8 +59,10 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     ``recompute``: activation checkpointing (``torch.utils.checkpoint``) — ``"none"``;
     ``"selective"`` (every layer's cheap ops rerun, matmul and attention outputs kept);
     ``"full"`` (every layer rerun whole); ``"full:N"`` (every N-th layer rerun whole, as
-    torchtitan's layer-wise option N); ``"auto"``: the first of none, selective, full:2, full
-    whose plan fits in memory.
+    torchtitan's layer-wise option N); ``"block:K"`` (the first K layers rerun whole, Megatron's
+    block method); ``"auto"``: none when a plan keeping every activation fits, else the faster
+    of the best selective plan and the best full plan cut to the first layers its placements
+    need (``block:K``; docs/training.md).
     ``overlap``: cost each layer's parameter collectives (weight gathers prefetched, gradient
     reductions during backward) as hidden behind its compute, for the fraction the device
     reaches (its ``overlap_efficiency``: 0.9 for GPUs, 0 for the uncalibrated ``cpu``; ``autopar

@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--recompute", type=recompute_mode, default="auto",
                    help="activation checkpointing: none, selective (every layer's cheap ops), full (every layer "
-                        "whole), full:N (every N-th layer whole); auto: the first of none, selective, full:2, full "
-                        "that fits")
+                        "whole), full:N (every N-th layer whole), block:K (the first K layers whole); auto: none "
+                        "where that fits, else the faster of selective and full cut to the first K layers its "
+                        "placements need")
     p.add_argument("--no-overlap", action="store_true",
                    help="cost every collective on the critical path (by default a layer's weight gathers and "
                         "gradient reductions hide behind its compute, as far as the device overlaps)")

@@ -70,10 +70,11 @@ def mesh_shape(text: str) -> tuple[int, ...]:
 
 
 def recompute_mode(text: str) -> str:
-    """``--recompute``: auto, none, selective, full, or full:N (every N-th layer, N ≥ 2)."""
+    """``--recompute``: auto, none, selective, full, full:N (every N-th layer, N ≥ 2) or
+    block:K (the first K layers, K ≥ 1)."""
     if text != "auto" and not is_recompute_mode(text):
-        raise argparse.ArgumentTypeError(f"choose auto, none, selective, full or full:N (every N-th layer recomputed "
-                                         f"whole, N ≥ 2), got {text!r}")
+        raise argparse.ArgumentTypeError(f"choose auto, none, selective, full, full:N (every N-th layer recomputed "
+                                         f"whole, N ≥ 2) or block:K (the first K layers, K ≥ 1), got {text!r}")
     return text
 
 

@@ -87,7 +87,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                   recompute: str | None = None, zero: bool = True,
                   loss_on_outputs: bool = False, overlap_efficiency: float = 0.0, prefetch: bool = True,
                   collective_overlap: tuple[tuple[str, float], ...] = (), bucket_bytes: int = DDP_BUCKET_BYTES,
-                  edges_without_fit: bool = True) -> tuple[ShardingProblem, ProblemIndex]:
+                  edges_without_fit: bool = True, edges: bool = True) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -105,7 +105,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     recomputed (torchtitan's op-level selective checkpointing); ``"full:N"``: every N-th layer
     checkpointed whole, the others keep their activations (passes.layer_recompute; a node
     standing for copies in several layers is charged the share of them recomputed), the rerun
-    buffer counted only where a list's last layer reruns. ``zero``: parameters may also take
+    buffer counted only where a list's last layer reruns; ``"block:K"``: the first K layers
+    checkpointed whole, charged the same way. ``zero``: parameters may also take
     ZeRO-2 twins (:func:`passes.node_memory.zero_twins`). ``loss_on_outputs``: the outputs feed
     the training step's loss here (a one-mesh plan; autopar.parallel): they may stay split along
     their batch dim (dim 0) where the work was, and the loss's fp32 copies of them are counted
@@ -121,7 +122,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency).
     Without ``edges_without_fit``, a problem that cannot fit even with every node at its least
     memory (:meth:`ShardingProblem.min_memory`, which edges do not change) gets no edges: no
-    solver needs them to call it infeasible, and they are most of a problem's building."""
+    solver needs them to call it infeasible, and they are most of a problem's building. Without
+    ``edges`` none are built at all: the nodes' memory of a choice is all a caller wants."""
     graph = captured.graph
     repeated = repeated or {}
     grad_nodes = gradient_path(graph, captured)
@@ -250,7 +252,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                               prefetch=prefetch)
     index = ProblemIndex(names, strategies, kinds, position, {}, fallback, parameter_memory,
                          kept_without_recompute, rerun_s, rerun_buffer, list(group_of))
-    if not edges_without_fit and problem.min_memory() > memory_limit_bytes:
+    if not edges or not edges_without_fit and problem.min_memory() > memory_limit_bytes:
         return problem, index
     weights = _parameter_views(graph, captured)
     overlaps = any_overlap(overlap_efficiency, collective_overlap)

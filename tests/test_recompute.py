@@ -4,13 +4,17 @@ one layer's activations while it reruns) and lowered with torch.utils.checkpoint
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
 import torch
 
 import autopar
+from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
+from autopar.passes.capture import capture
+from autopar.planning.costing import recost
 from distributed import run_world
 from equivalence import run_cases
 from models import GPT
@@ -106,18 +110,34 @@ def test_pipeline_stages_recompute_every_nth_layer_of_their_own():
     assert autopar.replan(plan, str(CLUSTERS / "four_cpu_regions.yaml")).plan.predicted_step_s > 0
 
 
-def test_the_search_recomputes_every_other_layer_where_that_fits_and_selective_does_not():
-    """Between the least memory of selective and of "full:2" plans, the search (auto) takes
-    "full:2": half the layers rerun rather than all of them."""
-    model, x = _gpt()
+def test_whole_layers_rerun_are_cut_to_the_first_ones_the_placements_need():
+    """Between the least memory of full:2 and of selective plans, auto reruns whole layers: the
+    plan recomputing every layer, kept with only as many of the first layers recomputed as its
+    placements need (block:K, Megatron's block method) — no slower than rerunning every layer
+    or every other one (whose tighter memory costs the placements more here), within the limit;
+    one layer fewer does not fit those placements."""
+    from autopar.passes.layer_recompute import recompute_mode
+
+    model, x = _gpt(layers=8)
     least = {}
     for mode in ("selective", "full:2"):
         with pytest.raises(AutoparError) as error:
             autopar.plan(model, (x,), cluster="2xH100", recompute=mode, memory_limit=1)
         least[mode] = error.value.needed_bytes
     assert least["full:2"] < least["selective"], least
-    plan = autopar.plan(model, (x,), cluster="2xH100", memory_limit=(least["full:2"] + least["selective"]) // 2)
-    assert plan.recompute == {"blocks.1": "full", "blocks.3": "full"}
+    limit = (least["full:2"] + least["selective"]) // 2
+    steps = {mode: autopar.plan(model, (x,), cluster="2xH100", recompute=mode, memory_limit=limit).predicted_step_s
+             for mode in ("full:2", "full")}
+    plan = autopar.plan(model, (x,), cluster="2xH100", memory_limit=limit)
+    layers = [f"blocks.{k}" for k in range(8)]
+    assert recompute_mode(layers, plan.recompute) == f"block:{len(plan.recompute)}", plan.recompute
+    assert 1 <= len(plan.recompute) < 8
+    assert plan.predicted_step_s <= min(steps.values()), (plan.predicted_step_s, steps)
+    assert plan.memory.total_bytes <= limit
+    if len(plan.recompute) > 1:  # the same placements with one layer fewer rerun are over the limit
+        fewer = dataclasses.replace(plan, recompute=dict.fromkeys(layers[:len(plan.recompute) - 1], "full"))
+        _, memory = recost(capture(model, (x,)), fewer, Cluster.from_spec("2xH100"))
+        assert memory > limit
 
 
 def test_the_search_recomputes_only_when_memory_requires_it():
@@ -201,8 +221,8 @@ def _held_bytes_by_mode(modes: list[str]) -> dict:
     return {mode: _held_bytes(mode) for mode in modes}
 
 
-MODES = ["none", "selective", "full", "full:2", "full:3", "none-bf16", "selective-bf16", "full-bf16"]
-CHECKPOINTED = {"none": 0, "full:2": 2, "full:3": 1}  # layers wrapped in checkpoint; 4 otherwise
+MODES = ["none", "selective", "full", "full:2", "full:3", "block:3", "none-bf16", "selective-bf16", "full-bf16"]
+CHECKPOINTED = {"none": 0, "full:2": 2, "full:3": 1, "block:3": 3}  # layers wrapped in checkpoint; 4 otherwise
 
 
 @pytest.mark.distributed
@@ -220,6 +240,7 @@ def test_what_a_step_holds_for_backward_is_what_the_plan_predicts():
         assert full < selective < none and full < 0.2 * none, found
     assert found["full"]["measured"] < min(found["full:2"]["measured"], found["full:3"]["measured"])
     assert max(found["full:2"]["measured"], found["full:3"]["measured"]) < found["none"]["measured"], found
+    assert found["full"]["measured"] < found["block:3"]["measured"] < found["full:3"]["measured"], found
     assert found["none-bf16"]["measured"] < 0.6 * found["none"]["measured"], found
 
 
@@ -229,6 +250,7 @@ WORLD2 = [
     ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "2xH100", "recompute": "selective", "configuration": "megatron_tp"}),
     ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "2xcpu", "recompute": "selective", "configuration": "fsdp"}),
     ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "2xcpu", "recompute": "full:2", "configuration": "fsdp"}),
+    ("GPT", {"layers": 2}, "tokens", 4, {"cluster": "2xcpu", "recompute": "block:1", "configuration": "ddp"}),
 ]
 
 

@@ -104,8 +104,11 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
 
 def _mesh_bounds(graphs: ModelGraphs, plan: Plan) -> dict:
     """The one-mesh search's lower bound on each mesh it tried, and the recompute mode it was
-    made with: {"recompute", "bounds": [[mesh shape, seconds], …]}."""
-    return {"recompute": recompute_mode(layer_order(graphs.full.graph), plan.recompute),
+    made with: {"recompute", "bounds": [[mesh shape, seconds], …]} (a plan whose recomputed
+    layers were cut after the search, planning.one_mesh.fewest_layers, records the search's
+    mode: its bounds are that mode's)."""
+    mode = plan.solver.get("searched_recompute") or recompute_mode(layer_order(graphs.full.graph), plan.recompute)
+    return {"recompute": mode,
             "bounds": [[list(c["mesh_shape"]), c["bound_s"]] for c in plan.mesh_candidates
                        if c.get("bound_s") is not None]}
 

@@ -27,7 +27,7 @@ from autopar.solvers.baselines import CONFIGURATIONS
 
 SCHEDULES = ("auto", *PIPELINE_SCHEDULES)  # auto: 1F1B or an interleaved schedule, the fastest
 MAX_TIME_LIMIT_S = 7 * 24 * 3600.0  # a solver budget beyond a week is a typo (OR-Tools holds it in int64 ms)
-RECOMPUTE = ("auto", "none", "selective", "full", "full:N")  # full:N — every N-th layer (N ≥ 2)
+RECOMPUTE = ("auto", "none", "selective", "full", "full:N", "block:K")  # every N-th layer (N ≥ 2); the first K
 # hand-written configurations a person would write: costed beside every plan
 
 
@@ -54,7 +54,8 @@ class PlanOptions:
     mixed_precision: Precision | None = None  # checked by Precision.of where the user's value comes in
     # "none"; "selective" (every layer's cheap ops recomputed, matmuls and attention kept);
     # "full" (every layer recomputed whole); "full:N" (every N-th layer recomputed whole);
-    # "auto": the first of none, selective, full:2, full that fits
+    # "block:K" (the first K layers recomputed whole); "auto": none where a plan fits, else
+    # the faster of selective and full cut to block:K (planning.one_mesh.OneMesh.plan)
     recompute: str = "auto"
     # communication overlapped with compute where the device can (DeviceSpec.overlap_efficiency):
     # parameters' gathers and gradient reductions hide behind each layer's compute (issue 20)

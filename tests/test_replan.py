@@ -86,6 +86,28 @@ def test_a_faster_link_changes_the_plan_and_a_slower_one_keeps_it(tmp_path):
     assert not again.switch and again.break_even_steps is None and "keep the old plan" in again.reason
 
 
+def test_the_old_plan_is_costed_on_the_problem_the_search_built_for_its_mesh(tmp_path, monkeypatch):
+    """A re-plan prices the old one-mesh plan on the new cluster from the search's own problem
+    of its mesh (built first, as the warm start's) — no second build — and that equals costing
+    it afresh (planning.costing.recost); a 4-layer model folds its layers there, which the old
+    plan's placements follow."""
+    import autopar.planning.replan as replan_module
+    from autopar.cluster import Cluster
+    from autopar.passes.capture import capture
+    from autopar.planning.costing import recost
+
+    model, x = _model()
+    old = autopar.plan(model, (x,), cluster=_cluster(tmp_path, 300), mesh_shape=(4,), configuration="fsdp")
+    slow = _cluster(tmp_path, 0.5)
+    rebuilt = []
+    monkeypatch.setattr(replan_module, "recost", lambda *args: rebuilt.append(args) or recost(*args))
+    answer = autopar.replan(old, slow, model, (x,))
+    assert rebuilt == []  # costed from the search's problem
+    step_s, _ = recost(capture(model, (x,)), old, Cluster.from_spec(slow))
+    assert answer.previous_step_s == pytest.approx(step_s, rel=1e-9)
+    assert answer.previous_step_s > old.predicted_step_s  # the link got slower
+
+
 def test_a_lost_host_means_switching_now(tmp_path):
     """Two of four devices gone: the old plan cannot run, the new one is for two devices."""
     model, x = _model()

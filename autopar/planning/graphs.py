@@ -92,6 +92,10 @@ class ModelGraphs:
             self._derived[key] = make()
         return self._derived[key]
 
+    def derived_so_far(self, key: Any) -> Any | None:
+        """What :meth:`derived` made for ``key``, or None when nothing was (nothing is made)."""
+        return self._derived.get(key)
+
     def _capture(self, inputs) -> Captured:
         captured = capture(self.model, inputs, self.compute_dtype, stack_traces=False)  # lowering keeps them
         annotate_lookups(captured, inputs, self.sparsity)

@@ -31,6 +31,7 @@ from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
 from autopar.passes.layers import find_repeated_layers
+from autopar.passes.layer_recompute import recompute_mode
 from autopar.passes.stages import layer_order
 from autopar.passes.cost import annotate_costs
 from autopar.passes.memory import annotate_saved
@@ -129,12 +130,18 @@ def fewest_layers(graphs, cluster: Cluster, options: PlanOptions, mode: str, pla
     search = mesh_search(graphs, cluster, dataclasses.replace(options, recompute=mode))
     mesh = checked_mesh(cluster, tuple(plan.mesh_shape))
     low, high = 1, len(recomputed)  # block:len(recomputed) fits: full:N's layers less the rerun buffer
-    while low < high:
-        middle = (low + high) // 2
-        if search.memory_of(plan, mesh, f"block:{middle}") <= cluster.memory_limit_bytes:
-            high = middle
-        else:
-            low = middle + 1
+    try:
+        while low < high:
+            middle = (low + high) // 2
+            if search.memory_of(plan, mesh, f"block:{middle}") <= cluster.memory_limit_bytes:
+                high = middle
+            else:
+                low = middle + 1
+    except AutoparError as exc:  # a placement the problem does not offer by name (none known): keep the plan
+        if exc.kind is not ErrorKind.BAD_PLAN:
+            raise
+        log.info("recomputed layers not cut: %s", exc.message)
+        return plan
     if low == len(layers) or (low == len(recomputed) and mode != "full"):
         return plan
     log.info("its placements fit with the first %d of %d layers recomputed: re-solving with block:%d",
@@ -161,6 +168,14 @@ def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
     known = options.mesh_bounds.of(mode) if options.mesh_bounds is not None else {}
     return graphs.derived(("one_mesh", id(cluster), options),
                           lambda: MeshSearch(graphs.full, cluster, options, loss_on_outputs=True, known_bounds=known))
+
+
+def searched_cost(graphs, cluster: Cluster, options: PlanOptions, plan: Plan) -> tuple[float, int] | None:
+    """``plan``'s step and memory per device on ``cluster`` from the one-mesh search already made
+    with ``options`` (:meth:`MeshSearch.cost_of`), or None where there is none or it cannot tell:
+    a re-plan costs the old plan this way instead of building its mesh's problem again."""
+    search = graphs.derived_so_far(("one_mesh", id(cluster), options))
+    return search.cost_of(plan) if search is not None else None
 
 
 def group_plan(graphs, rows: int, cluster: Cluster, options: PlanOptions) -> Plan:
@@ -246,6 +261,34 @@ class MeshSearch:
                              self.options.optimizer, self.repeated, self.activation_copies, tables_whole=tables_whole,
                              recompute=mode, loss_on_outputs=self.loss_on_outputs, edges_without_fit=False,
                              edges=edges, **self.options.problem_overlap(self.cluster.device))
+
+    def cost_of(self, plan: Plan) -> tuple[float, int] | None:
+        """``plan``'s predicted step and memory per device on this search's built problem of its
+        mesh — what planning.costing.recost gives, without building that problem again (the
+        warm mesh of a re-plan is built first) — or None where this search cannot tell: the mesh
+        not built, another recompute mode or a pinned configuration, or copies of a repeated
+        layer placed unlike their representative (the problem has one decision for them). A
+        problem built without edges (nothing fits) gives an infinite step."""
+        mode = "none" if self.options.recompute == "auto" else self.options.recompute
+        if plan.family != "one_mesh" or self.options.configuration is not None \
+                or recompute_mode(layer_order(self.captured.graph), plan.recompute) != mode:
+            return None
+        built = [(mesh, problem, index) for _, _, mesh, problem, index in self.prepared
+                 if problem is not None and tuple(mesh.shape) == tuple(plan.mesh_shape)]
+        if not built:
+            return None
+        mesh, problem, index = built[0]
+        placed = {name: (node.outputs, node.inputs, node.exchange) for name, node in plan.nodes.items()}
+        if any(copy in placed and placed[copy] != placed.get(representative)
+               for copy, representative in self.repeated.items()):
+            return None
+        try:
+            choice = plan_choice(self.captured, plan, index, f"mesh {list(mesh.shape)}")
+        except AutoparError:
+            return None
+        excess, spread_s = table_wise_by_owners(self.captured, index, choice, mesh, self.options.optimizer)
+        fits_at_all = problem.min_memory() <= self.cluster.memory_limit_bytes  # else built without edges
+        return (problem.evaluate(choice) + spread_s if fits_at_all else math.inf), problem.memory(choice) + excess
 
     def memory_of(self, plan: Plan, mesh: MeshSpec, recompute: str) -> int:
         """Bytes per device ``plan``'s placements (made on ``mesh``) hold when ``recompute``

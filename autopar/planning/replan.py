@@ -20,6 +20,7 @@ from autopar.plan import Plan
 from autopar.planning.costing import recost
 from autopar.planning.pipeline import recost_pipeline
 from autopar.planning.migration import Migration, migration
+from autopar.planning.one_mesh import searched_cost
 from autopar.planning.options import MeshBounds, PlanOptions
 from autopar.units import format_bytes, format_seconds
 
@@ -33,7 +34,8 @@ class Replan:
     (``migration_exact`` False: an upper bound, every device receiving its whole state).
     ``break_even_steps``: steps after which the switch has paid for itself (0: the old plan
     cannot run; None: the new plan is no faster). ``switch``: whether switching pays off at
-    all; ``reason`` says why in one sentence; ``replan_s``: the planning time."""
+    all; ``reason`` says why in one sentence; ``replan_s``: the time of the whole answer (the
+    search, the old plan costed, the migration)."""
 
     plan: Plan
     previous_step_s: float | None
@@ -69,11 +71,12 @@ def replan(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> Replan:
         raise AutoparError(ErrorKind.BAD_PLAN, f"the plan was made for a different graph (fingerprint "
                            f"{old.fingerprint}, this model captures as {captured.fingerprint}); plan it afresh")
     start = time.perf_counter()
-    new = choose(graphs, cluster, dataclasses.replace(options, warm_start=old, baselines=False,
-                                                      mesh_bounds=known_bounds(graphs, old, cluster)))
-    replan_s = time.perf_counter() - start
-    previous, why_not = _previous_step(graphs, old, cluster, options)
+    searched = dataclasses.replace(options, warm_start=old, baselines=False,
+                                   mesh_bounds=known_bounds(graphs, old, cluster))
+    new = choose(graphs, cluster, searched)
+    previous, why_not = _previous_step(graphs, old, cluster, options, searched)
     moved = _migration(graphs, old, new, cluster, options)
+    replan_s = time.perf_counter() - start  # the whole answer: the search, the old plan costed, the move
     saved = None if previous is None else previous - new.predicted_step_s
     if previous is None:
         steps, switch = 0, True
@@ -141,8 +144,12 @@ def link_speedup(recorded: dict | None, cluster: Cluster) -> float | None:
     return speedup
 
 
-def _previous_step(graphs, old: Plan, cluster: Cluster, options: PlanOptions) -> tuple[float | None, str]:
-    """The old plan's step on the new cluster, or None and why it cannot be costed there."""
+def _previous_step(graphs, old: Plan, cluster: Cluster, options: PlanOptions,
+                   searched: PlanOptions) -> tuple[float | None, str]:
+    """The old plan's step on the new cluster, or None and why it cannot be costed there. A
+    one-mesh plan is costed on the problem the search (made with ``searched``) built for its
+    mesh, where it can (planning.one_mesh.searched_cost: the warm mesh is built first), else
+    by building that problem again (planning.costing.recost)."""
     if old.family not in ("one_mesh", "pipeline"):
         return None, f"a {old.family} plan is tied to the device groups it was made for"
     if old.num_devices != cluster.num_devices:
@@ -151,7 +158,8 @@ def _previous_step(graphs, old: Plan, cluster: Cluster, options: PlanOptions) ->
         if old.family == "pipeline":
             step_s = recost_pipeline(graphs, old, cluster, options)
             return (step_s, "") if math.isfinite(step_s) else (None, "a stage no longer fits its group's memory")
-        step_s, memory = recost(graphs.full, old, cluster, options.optimizer)
+        cost = searched_cost(graphs, cluster, searched, old)
+        step_s, memory = cost if cost is not None else recost(graphs.full, old, cluster, options.optimizer)
     except AutoparError as exc:
         return None, exc.message
     if memory > cluster.memory_limit_bytes:

@@ -27,6 +27,7 @@ from autopar.planning.costing import plan_choice
 from autopar.planning.hand_written import baseline_problem, cost_baselines
 from autopar.planning.mesh_plan import to_plan
 from autopar.planning.options import PlanOptions
+from autopar.planning.recompute_cut import fewest_layers
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
@@ -96,7 +97,8 @@ class OneMesh:
                     raise
                 error = exc
                 continue
-            found.append(best if mode == "selective" else fewest_layers(graphs, cluster, options, mode, best))
+            found.append(best if mode == "selective" else fewest_layers(
+                graphs, cluster, options, mode, best, lambda changed: mesh_search(graphs, cluster, changed)))
         if not found:
             raise error
         return min(found, key=lambda plan: plan.predicted_step_s)  # a tie keeps selective
@@ -113,52 +115,6 @@ class OneMesh:
         captured = captured or capture_for(model, plan)
         relowering = Relowering(plan, mesh, model, captured)  # before lowering: the model as given
         return ParallelModule(lower(captured, plan, mesh, model), plan, loss_fn, relowering=relowering)
-
-
-def fewest_layers(graphs, cluster: Cluster, options: PlanOptions, mode: str, plan: Plan) -> Plan:
-    """``plan`` (made with ``mode``, a whole-layer mode) recomputing only the first K layers
-    (``block:K``, Megatron's block method), K the fewest with which its placements fit — the
-    memory of a fixed placement falls with every layer recomputed, so a bisection finds K —
-    then re-solved on its mesh with K, warm-started from it (placements may loosen where memory
-    allows; never slower: its own placements are a solution). ``plan`` itself when it already
-    recomputes no more layers than it needs. The re-solve is on ``plan``'s mesh only: another
-    mesh might do better with its own K (not searched: a search per K)."""
-    layers = layer_order(graphs.full.graph)
-    recomputed = [layer for layer in layers if layer in plan.recompute]
-    if len(recomputed) < 2:
-        return plan
-    search = mesh_search(graphs, cluster, dataclasses.replace(options, recompute=mode))
-    mesh = checked_mesh(cluster, tuple(plan.mesh_shape))
-    low, high = 1, len(recomputed)  # block:len(recomputed) fits: full:N's layers less the rerun buffer
-    try:
-        while low < high:
-            middle = (low + high) // 2
-            if search.memory_of(plan, mesh, f"block:{middle}") <= cluster.memory_limit_bytes:
-                high = middle
-            else:
-                low = middle + 1
-    except AutoparError as exc:  # a placement the problem does not offer by name (none known): keep the plan
-        if exc.kind is not ErrorKind.BAD_PLAN:
-            raise
-        log.info("recomputed layers not cut: %s", exc.message)
-        return plan
-    if low == len(layers) or (low == len(recomputed) and mode != "full"):
-        return plan
-    log.info("its placements fit with the first %d of %d layers recomputed: re-solving with block:%d",
-             low, len(layers), low)
-    cut = dataclasses.replace(options, recompute=f"block:{low}", mesh_shape=tuple(plan.mesh_shape),
-                              warm_start=plan, baselines=False)
-    try:
-        refined = mesh_search(graphs, cluster, cut).best()
-    except AutoparError as exc:
-        if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-            raise
-        return plan
-    if refined.predicted_step_s >= plan.predicted_step_s:
-        return plan
-    # the meshes, their bounds and the baselines are the search's (with ``mode``); so says the solver record
-    return dataclasses.replace(refined, baselines=plan.baselines, mesh_candidates=plan.mesh_candidates,
-                               solver={**refined.solver, "searched_recompute": mode})
 
 
 def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
@@ -270,8 +226,11 @@ class MeshSearch:
         layer placed unlike their representative (the problem has one decision for them). A
         problem built without edges (nothing fits) gives an infinite step."""
         mode = "none" if self.options.recompute == "auto" else self.options.recompute
-        if plan.family != "one_mesh" or self.options.configuration is not None \
-                or recompute_mode(layer_order(self.captured.graph), plan.recompute) != mode:
+        try:
+            planned_mode = recompute_mode(layer_order(self.captured.graph), plan.recompute)
+        except ValueError:  # a record no mode gives (recost says so by name)
+            return None
+        if plan.family != "one_mesh" or self.options.configuration is not None or planned_mode != mode:
             return None
         built = [(mesh, problem, index) for _, _, mesh, problem, index in self.prepared
                  if problem is not None and tuple(mesh.shape) == tuple(plan.mesh_shape)]

@@ -16,6 +16,7 @@ from torch import nn
 
 import autopar
 from autopar import AutoparError
+from autopar.errors import ErrorKind
 from autopar.cluster import Cluster
 from autopar.plan import Plan
 from autopar.units import format_seconds
@@ -169,7 +170,8 @@ def test_groups_recompute_their_layers_and_train_like_one_process():
 
 def test_a_pipeline_that_does_not_fit_recomputes_its_layers():
     """recompute="auto" on pipeline stages, as on one mesh: every activation kept when a cut
-    fits; under a memory limit only recomputation meets, the stages recompute their layers."""
+    fits; under a memory limit only recomputation meets, the stages recompute their layers —
+    the faster of selective and full, whichever fit."""
     import models
 
     torch.manual_seed(0)
@@ -183,6 +185,14 @@ def test_a_pipeline_that_does_not_fit_recomputes_its_layers():
     auto = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2, memory_limit=limit)
     assert auto.family == "pipeline" and auto.recompute and auto.memory.total_bytes <= limit
     assert auto.recompute_cost["rerun_s"] > 0 and auto.predicted_step_s > kept.predicted_step_s
+    steps = []
+    for mode in ("selective", "full"):
+        try:
+            steps.append(autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2,
+                                      memory_limit=limit, recompute=mode).predicted_step_s)
+        except AutoparError as exc:
+            assert exc.kind is ErrorKind.INFEASIBLE_MEMORY
+    assert steps and auto.predicted_step_s == min(steps), (auto.predicted_step_s, steps)
 
 
 def test_hosts_of_one_kind_get_pipeline_stages_when_asked_or_when_one_mesh_cannot_fit():

@@ -48,11 +48,6 @@ def groups_unavailable(cluster: Cluster, options: PlanOptions) -> str | None:
     return None
 
 
-# recompute option -> the modes a search over device groups tries, in order (the first that fits wins)
-RECOMPUTE_MODES = {"auto": ("none", "selective", "full"), "none": ("none",), "selective": ("selective",),
-                   "full": ("full",)}
-
-
 def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
     """The device groupings pipeline stages may run on: the regions (when there are several),
     and every cut of each region's hosts into k equal groups of consecutive hosts (k dividing
@@ -66,20 +61,32 @@ def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
                     if all(h % k == 0 for h in hosts) and k * len(regions) <= layers]
 
 
-def first_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
-    """``plan_with(options)`` under each recompute mode ``options.recompute`` allows, in order,
-    until one fits in memory: keeping every activation is fastest, recomputing the cheap ops
-    of every layer (selective) frees memory for a little more forward work, whole layers
-    (full) the most."""
-    modes = RECOMPUTE_MODES.get(options.recompute, (options.recompute,))  # full:N in each stage
-    for mode in modes[:-1]:
+def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
+    """``plan_with(options)`` under the recompute mode ``options.recompute`` names; under "auto",
+    keeping every activation when that fits, else the faster of recomputing every layer's cheap
+    ops (selective) and whole layers (full) — the one-mesh family's rule (planning.one_mesh,
+    without its cut to block:K): rerunning more can still be faster, where the memory it frees
+    lets the stages' placements move less."""
+    if options.recompute != "auto":
+        return plan_with(options)  # full:N / block:K in each stage
+    try:
+        return plan_with(dataclasses.replace(options, recompute="none"))
+    except AutoparError as exc:
+        if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+            raise
+        error = exc
+    found = []
+    for mode in ("selective", "full"):
+        log.info("no plan over the device groups fits keeping every activation: trying recompute=%s", mode)
         try:
-            return plan_with(dataclasses.replace(options, recompute=mode))
+            found.append(plan_with(dataclasses.replace(options, recompute=mode)))
         except AutoparError as exc:
             if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
                 raise
-            log.info("no plan over the device groups fits with recompute=%s: trying the next mode", mode)
-    return plan_with(dataclasses.replace(options, recompute=modes[-1]))
+            error = exc
+    if not found:
+        raise error
+    return min(found, key=lambda plan: plan.predicted_step_s)  # a tie keeps selective
 
 
 class PipelineStages:
@@ -102,7 +109,7 @@ class PipelineStages:
         region's hosts cut into k equal groups of consecutive hosts (:func:`stage_groupings`;
         a cluster of one kind only the latter). Sparse tables and MoE experts are planned inside
         their stage as on one mesh (touched rows and expert loads per micro-batch). Activation
-        checkpointing as on one mesh (:func:`first_that_fits`)."""
+        checkpointing as on one mesh (:func:`fastest_that_fits`)."""
         views = stage_groupings(graphs, cluster)
         if not views:
             layers = len(layer_order(graphs.full.graph))
@@ -112,7 +119,7 @@ class PipelineStages:
         best, error = None, None
         for view in views:
             try:
-                plan = first_that_fits(options, lambda chosen: self._plan(graphs, view, chosen))
+                plan = fastest_that_fits(options, lambda chosen: self._plan(graphs, view, chosen))
             except AutoparError as exc:
                 if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
                     raise

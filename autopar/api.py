@@ -70,8 +70,9 @@ def plan(model: nn.Module, example_inputs, cluster: "str | Cluster" = "8xH100", 
     step. ``bucket_cap_mb``: the lowered program all-reduces replicated parameters' gradients
     in buckets of this many MiB, each as soon as it fills during backward
     (DistributedDataParallel's default, 25); each bucket pays one all-reduce's latency.
-    ``prefetch_layers``: how many layers ahead it gathers a sharded weight (FSDP2's 1; 0:
-    where the weight is read, and those gathers are costed as exposed).
+    ``prefetch_layers``: how many layers ahead it gathers a sharded weight, in forward and
+    again in backward (FSDP2's 1; 0: where the weight is read, and those gathers are costed as
+    exposed).
     """
     from autopar.planning import ModelGraphs, PlanOptions, Precision, choose
 

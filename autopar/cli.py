@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="gradient bucket size in MiB, each all-reduced as soon as it fills in backward (DDP's 25)")
     p.add_argument("--prefetch-layers", type=int, default=1,
-                   help="how many layers ahead a sharded weight is gathered (FSDP2's 1; 0: where it is read)")
+                   help="how many layers ahead a sharded weight is gathered, in forward and in backward (FSDP2's 1; "
+                        "0: where it is read)")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="fp32",
                    help="compute dtype (FSDP2's MixedPrecisionPolicy: bf16 = bf16 compute and weight gathers, "
                         "fp32 master weights, gradient reduction and optimizer states)")

@@ -7,8 +7,8 @@ the others keep their activations: torchtitan's layer-wise selective checkpointi
 ``selective_ac_option = "N"``, which wraps the N-th, 2N-th, … block it meets);
 ``"block:K"`` (the first K layers recomputed whole, the rest keep their activations:
 Megatron-LM's ``--recompute-method block --recompute-num-layers K``; in a pipeline, the first
-K of each stage's layers, as Megatron counts them per stage). "auto" settles on the fewest
-layers that fit (planning.one_mesh).
+K of each stage's layers, as Megatron counts them per stage). "auto" picks one of them
+(planning.recompute_cut: a plan over one mesh may be cut from full to block:K).
 
 >>> recomputed_layers(["blocks.0", "blocks.1", "blocks.2", "blocks.3"], "full:2")
 {'blocks.1': 'full', 'blocks.3': 'full'}

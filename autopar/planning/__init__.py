@@ -105,7 +105,7 @@ def choose(graphs: ModelGraphs, cluster: Cluster, options: PlanOptions) -> Plan:
 def _mesh_bounds(graphs: ModelGraphs, plan: Plan) -> dict:
     """The one-mesh search's lower bound on each mesh it tried, and the recompute mode it was
     made with: {"recompute", "bounds": [[mesh shape, seconds], …]} (a plan whose recomputed
-    layers were cut after the search, planning.one_mesh.fewest_layers, records the search's
+    layers were cut after the search, planning.recompute_cut.fewest_layers, records the search's
     mode: its bounds are that mode's)."""
     mode = plan.solver.get("searched_recompute") or recompute_mode(layer_order(graphs.full.graph), plan.recompute)
     return {"recompute": mode,

@@ -35,6 +35,13 @@ def recost(captured: Captured, plan: Plan, cluster: Cluster, optimizer: str = "a
     exchange waits for the busiest owner (owners as the planner picks them)."""
     mesh = checked_mesh(cluster, plan.mesh_shape)
     problem, index, choice = planned_problem(captured, plan, cluster, mesh, optimizer)
+    return priced(captured, problem, index, choice, mesh, optimizer)
+
+
+def priced(captured: Captured, problem: ShardingProblem, index: ProblemIndex, choice: list[int], mesh: MeshSpec,
+           optimizer: str) -> tuple[float, int]:
+    """``choice``'s step time and busiest device's memory on ``problem``: the table-wise exchange
+    waits for the busiest owner, whose tables it holds too (owners as the planner picks them)."""
     excess, spread_s = table_wise_by_owners(captured, index, choice, mesh, optimizer)
     return problem.evaluate(choice) + spread_s, problem.memory(choice) + excess
 

@@ -23,11 +23,11 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh, three_dim_refinements
 from autopar.plan import Plan
-from autopar.planning.costing import plan_choice
+from autopar.planning.costing import plan_choice, priced
 from autopar.planning.hand_written import baseline_problem, cost_baselines
 from autopar.planning.mesh_plan import to_plan
 from autopar.planning.options import PlanOptions
-from autopar.planning.recompute_cut import fewest_layers
+from autopar.planning.recompute_cut import faster_recomputing, fewest_layers
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
@@ -87,21 +87,11 @@ class OneMesh:
                     raise
                 return kept
             return selective if selective.predicted_step_s < kept.predicted_step_s else kept
-        found: list[Plan] = []
-        for mode in ("selective", "full"):
-            log.info("no plan fits: trying with layers recomputed (%s)", mode)
-            try:
-                best = mesh_search(graphs, cluster, dataclasses.replace(options, recompute=mode)).best()
-            except AutoparError as exc:
-                if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-                    raise
-                error = exc
-                continue
-            found.append(best if mode == "selective" else fewest_layers(
-                graphs, cluster, options, mode, best, lambda changed: mesh_search(graphs, cluster, changed)))
-        if not found:
-            raise error
-        return min(found, key=lambda plan: plan.predicted_step_s)  # a tie keeps selective
+        def searched(changed: PlanOptions) -> "MeshSearch":
+            return mesh_search(graphs, cluster, changed)
+
+        return faster_recomputing(options, lambda changed: searched(changed).best(), error,
+                                  cut=lambda full: fewest_layers(graphs, cluster, options, full, searched))
 
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from torch.distributed.device_mesh import init_device_mesh
@@ -122,15 +112,20 @@ def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
     plan and the hand-written baselines every winner lists share its problems."""
     mode = "none" if options.recompute == "auto" else options.recompute
     known = options.mesh_bounds.of(mode) if options.mesh_bounds is not None else {}
-    return graphs.derived(("one_mesh", id(cluster), options),
+    return graphs.derived(_search_key(cluster, options),
                           lambda: MeshSearch(graphs.full, cluster, options, loss_on_outputs=True, known_bounds=known))
+
+
+def _search_key(cluster: Cluster, options: PlanOptions) -> tuple:
+    """What a one-mesh search is made once per, for one graph (ModelGraphs.derived)."""
+    return ("one_mesh", id(cluster), options)
 
 
 def searched_cost(graphs, cluster: Cluster, options: PlanOptions, plan: Plan) -> tuple[float, int] | None:
     """``plan``'s step and memory per device on ``cluster`` from the one-mesh search already made
     with ``options`` (:meth:`MeshSearch.cost_of`), or None where there is none or it cannot tell:
     a re-plan costs the old plan this way instead of building its mesh's problem again."""
-    search = graphs.derived_so_far(("one_mesh", id(cluster), options))
+    search = graphs.derived_so_far(_search_key(cluster, options))
     return search.cost_of(plan) if search is not None else None
 
 
@@ -245,9 +240,9 @@ class MeshSearch:
             choice = plan_choice(self.captured, plan, index, f"mesh {list(mesh.shape)}")
         except AutoparError:
             return None
-        excess, spread_s = table_wise_by_owners(self.captured, index, choice, mesh, self.options.optimizer)
+        step_s, memory = priced(self.captured, problem, index, choice, mesh, self.options.optimizer)
         fits_at_all = problem.min_memory() <= self.cluster.memory_limit_bytes  # else built without edges
-        return (problem.evaluate(choice) + spread_s if fits_at_all else math.inf), problem.memory(choice) + excess
+        return (step_s if fits_at_all else math.inf), memory
 
     def memory_of(self, plan: Plan, mesh: MeshSpec, recompute: str) -> int:
         """Bytes per device ``plan``'s placements (made on ``mesh``) hold when ``recompute``

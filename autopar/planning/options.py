@@ -55,7 +55,7 @@ class PlanOptions:
     # "none"; "selective" (every layer's cheap ops recomputed, matmuls and attention kept);
     # "full" (every layer recomputed whole); "full:N" (every N-th layer recomputed whole);
     # "block:K" (the first K layers recomputed whole); "auto": none where a plan fits, else
-    # the faster of selective and full cut to block:K (planning.one_mesh.OneMesh.plan)
+    # the faster of selective and full cut to block:K (planning.recompute_cut)
     recompute: str = "auto"
     # communication overlapped with compute where the device can (DeviceSpec.overlap_efficiency):
     # parameters' gathers and gradient reductions hide behind each layer's compute (issue 20)

@@ -24,6 +24,7 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.planning.options import PlanOptions
+from autopar.planning.recompute_cut import faster_recomputing
 from autopar.planning.schedules import Layout, schedule_layouts
 from autopar.planning.stage_costs import StageCosts
 from autopar.units import format_bytes
@@ -63,10 +64,9 @@ def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
 
 def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
     """``plan_with(options)`` under the recompute mode ``options.recompute`` names; under "auto",
-    keeping every activation when that fits, else the faster of recomputing every layer's cheap
-    ops (selective) and whole layers (full) — the one-mesh family's rule (planning.one_mesh,
-    without its cut to block:K): rerunning more can still be faster, where the memory it frees
-    lets the stages' placements move less."""
+    keeping every activation when that fits, else the faster of selective and full
+    (planning.recompute_cut.faster_recomputing: the one-mesh family's rule, without its cut to
+    block:K)."""
     if options.recompute != "auto":
         return plan_with(options)  # full:N / block:K in each stage
     try:
@@ -74,19 +74,8 @@ def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], P
     except AutoparError as exc:
         if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
             raise
-        error = exc
-    found = []
-    for mode in ("selective", "full"):
-        log.info("no plan over the device groups fits keeping every activation: trying recompute=%s", mode)
-        try:
-            found.append(plan_with(dataclasses.replace(options, recompute=mode)))
-        except AutoparError as exc:
-            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-                raise
-            error = exc
-    if not found:
-        raise error
-    return min(found, key=lambda plan: plan.predicted_step_s)  # a tie keeps selective
+        kept = exc
+    return faster_recomputing(options, plan_with, kept)
 
 
 class PipelineStages:

@@ -26,6 +26,7 @@ def _writable_output(path: str | None) -> None:
 
 def summary_json(plan) -> dict:
     """The stable machine-readable summary (keys are only ever added, never renamed)."""
+    from autopar.plan import MemoryBreakdown
     from autopar.report import imbalance, layer_groups, mesh_dim_roles, throughput, top_nodes
 
     limit = plan.cluster["memory_limit_bytes"]
@@ -48,7 +49,8 @@ def summary_json(plan) -> dict:
         "replicas": [{"group": r.group, "device": r.device, "devices": len(r.ranks), "mesh": list(r.mesh_shape),
                       "batch": r.batch, "predicted_step_s": r.step_s, "gradient_sync_s": r.sync_s,
                       "memory_bytes": r.memory.total_bytes} for r in plan.replicas],
-        "peak_memory_bytes": [sum(st.memory.total_bytes for st in chunks) for chunks in plan.stage_groups()
+        "peak_memory_bytes": [MemoryBreakdown.together([st.memory for st in chunks]).total_bytes
+                              for chunks in plan.stage_groups()
                               for _ in chunks[0].ranks] + [r.memory.total_bytes for r in plan.replicas for _ in r.ranks]
         or [plan.memory.total_bytes] * plan.num_devices,
         "memory_limit_bytes": [limit] * plan.num_devices,

@@ -132,19 +132,22 @@ def render(plan: Plan) -> str:
                 f"({format_bytes(scale)})</p><table><tr><th>devices</th><th>use</th><th>total</th><th></th></tr>")
     for label, m in rows:
         parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
-                 ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a")]
+                 ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a"),
+                 ("gathered weights", m.gathered_bytes, "#27ae60")]
         body.append(f"<tr><td>{html.escape(label)}</td><td>{100 * m.total_bytes / limit:.1f}% of "
                     f"{format_bytes(limit)}</td><td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, scale)}</td></tr>")
     if plan.recompute_cost:  # the same placements had every activation been kept
         m = plan.memory
         parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
                  ("optimizer", m.optimizer_bytes, "#9b51e0"),
-                 ("activations", plan.recompute_cost["activations_kept_bytes"], "#f2994a")]
+                 ("activations", plan.recompute_cost["activations_kept_bytes"], "#f2994a"),
+                 ("gathered weights", m.gathered_bytes, "#27ae60")]
         body.append(f"<tr><td>without recomputation</td><td>{100 * kept / limit:.1f}% of {format_bytes(limit)}"
                     f"</td><td>{format_bytes(kept)}</td><td>{_bar(parts, max(scale, kept))}</td></tr>")
     body.append("</table><p class='legend'>" + "".join(
         f"<span style='background:{c}'></span>{n}" for n, c in (("params", "#2f80ed"), ("grads", "#56ccf2"),
-                                                               ("optimizer", "#9b51e0"), ("activations", "#f2994a")))
+                                                               ("optimizer", "#9b51e0"), ("activations", "#f2994a"),
+                                                               ("gathered weights", "#27ae60")))
         + "</p>")
     hidden = max(plan.predicted_comm_s - exposed_comm_s(plan), 0.0)
     body.append("<h2>Time per step</h2><table><tr><td>compute stream</td><td>"

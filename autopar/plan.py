@@ -125,19 +125,28 @@ class ParameterPlan:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
+    """Bytes per device at the step's peak. ``gathered_bytes``: sharded weights gathered for
+    use (FSDP's unsharded parameters) held at once — the running layer's and the prefetched
+    ones (plans made before it was counted read 0)."""
+
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
     activations_bytes: int
+    gathered_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.gathered_bytes)
 
     @classmethod
     def together(cls, parts: "list[MemoryBreakdown]") -> "MemoryBreakdown":
-        """What one device holds for several programs at once (a pipeline group's chunks)."""
-        return cls(*(sum(getattr(part, f.name) for part in parts) for f in fields(cls)))
+        """What one device holds for several programs at once (a pipeline group's chunks): each
+        one's state and activations, and the gathered weights of the one that gathers the most
+        (the chunks run one at a time)."""
+        return cls(*(max(getattr(part, f.name) for part in parts) if f.name == "gathered_bytes"
+                     else sum(getattr(part, f.name) for part in parts) for f in fields(cls)))
 
 
 @dataclass(frozen=True)
@@ -343,7 +352,8 @@ class Plan:
             raise AutoparError(ErrorKind.BAD_INPUT, "this plan was made without symbolic costs; plan with "
                                "symbolic=True (`autopar plan --batch-size ...`) to predict other batch sizes")
         m = self.memory
-        return m.params_bytes + m.grads_bytes + m.optimizer_bytes + math.ceil(m.activations_bytes * batch_size / traced)
+        return (m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.gathered_bytes
+                + math.ceil(m.activations_bytes * batch_size / traced))
 
     def __getstate__(self) -> dict:
         """Pickled (e.g. broadcast to other ranks) without :attr:`graphs`: a model and its graph."""

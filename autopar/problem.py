@@ -47,6 +47,12 @@ class Edge:
     # collective kind): the parts of ``cost`` that can run beside compute (passes.reshard_cost.Parts;
     # the rest is on the critical path)
     parts: list[list[tuple[float, float, float, str] | None]] | None = field(default=None, compare=False, repr=False)
+    # [u][v] bytes one device holds of the gathered copy while ``layer`` runs (a sharded weight
+    # gathered for use: FSDP's unsharded parameter), 0 where the pair gathers nothing; None:
+    # the edge gathers no weight. ``layer``: the run of ops whose gathered weights are alive
+    # together (a layer; the weights outside every layer before the first and after the last)
+    held: list[list[int | None]] | None = field(default=None, compare=False, repr=False)
+    layer: int = -1
 
     def members(self) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
         """Strategies of the producer per class u, and of the consumer per class v."""
@@ -100,6 +106,10 @@ class ShardingProblem:
     # weight gathers issued ahead of their layer (FSDP2's prefetch): the forward share of a
     # parameter's communication hides behind compute; False: it is exposed (gathered when read)
     prefetch: bool = True
+    # the layers (``Edge.layer``) whose gathered weights one device holds at once: each the
+    # running layer and those prefetched after it (FSDP2: 1 + its prefetch depth, in forward and
+    # in backward), a repeated layer named once per copy in it
+    held_windows: tuple[tuple[int, ...], ...] = ()
 
     def eta(self, kind: str) -> float:
         """The overlap efficiency of collectives of ``kind``."""
@@ -132,7 +142,25 @@ class ShardingProblem:
         return len(self.node_names)
 
     def memory(self, choice: list[int]) -> int:
-        return sum(self.count(i) * self.node_memory[i][s] for i, s in enumerate(choice))
+        """Bytes per device: every node's, and the gathered weights held at once (:meth:`held_bytes`)."""
+        return sum(self.count(i) * self.node_memory[i][s] for i, s in enumerate(choice)) + self.held_bytes(choice)
+
+    def layer_held(self, choice: list[int]) -> dict[int, int]:
+        """Per layer (``Edge.layer``), the bytes of its weights gathered for use under
+        ``choice``: one copy of a repeated layer (its copies run one after another)."""
+        held: dict[int, int] = {}
+        for e in self.edges:
+            if e.held is not None and e.layer >= 0:
+                held[e.layer] = held.get(e.layer, 0) + (e.held[e.src_class[choice[e.src]]][e.dst_class[choice[e.dst]]]
+                                                        or 0)
+        return held
+
+    def held_bytes(self, choice: list[int]) -> int:
+        """The gathered weights one device holds at the peak: the most of any window of
+        ``held_windows`` (FSDP2 holds the running layer's unsharded weights and the prefetched
+        ones)."""
+        held = self.layer_held(choice)
+        return max((sum(held.get(g, 0) for g in window) for window in self.held_windows), default=0)
 
     def compute(self, choice: list[int]) -> float:
         return sum(self.count(i) * self.node_costs[i][s] for i, s in enumerate(choice))

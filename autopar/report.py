@@ -34,13 +34,14 @@ def summary(plan: Plan) -> str:
     memory = Table(title="memory per device in the fullest stage, and time" if plan.stages else
                    "memory per device in the largest replica's plan, and time" if plan.replicas else
                    f"memory per device, and time (all {plan.num_devices} devices run the same program)")
-    for column in ("params", "grads", "optimizer", "activations", "total", "limit", "use", "compute", "comm",
-                   "sent/step"):
-        memory.add_column(column, justify="right")
     m = plan.memory
+    gathered = ("gathered",) if m.gathered_bytes else ()  # weights gathered whole for use (FSDP), where any
+    for column in ("params", "grads", "optimizer", "activations", *gathered, "total", "limit", "use", "compute",
+                   "comm", "sent/step"):
+        memory.add_column(column, justify="right")
     limit = plan.cluster["memory_limit_bytes"]
-    memory.add_row(*(format_bytes(b) for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes,
-                                                m.activations_bytes, m.total_bytes, limit)),
+    memory.add_row(*(format_bytes(b) for b in (m.params_bytes, m.grads_bytes, m.optimizer_bytes, m.activations_bytes,
+                                                *(m.gathered_bytes for _ in gathered), m.total_bytes, limit)),
                    f"{100 * m.total_bytes / limit:.1f}%", format_seconds(plan.predicted_compute_s),
                    format_seconds(plan.predicted_comm_s),
                    "-" if plan.stages or plan.replicas else format_bytes(plan.comm_bytes))

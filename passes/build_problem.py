@@ -87,7 +87,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                   recompute: str | None = None, zero: bool = True,
                   loss_on_outputs: bool = False, overlap_efficiency: float = 0.0, prefetch: bool = True,
                   collective_overlap: tuple[tuple[str, float], ...] = (), bucket_bytes: int = DDP_BUCKET_BYTES,
-                  edges_without_fit: bool = True, edges: bool = True) -> tuple[ShardingProblem, ProblemIndex]:
+                  edges_without_fit: bool = True, edges: bool = True, held_layers: int = 1
+                  ) -> tuple[ShardingProblem, ProblemIndex]:
     """``repeated`` maps nodes of repeated layers to their representative (passes.layers):
     only representatives become problem nodes, and identical edges are merged with a count.
     ``activation_copies``: micro-batches whose activations a pipeline stage holds at once.
@@ -120,6 +121,10 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     other collective stays on the critical path.
     Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed.
     ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency).
+    A weight gathered for use (FSDP's unsharded parameter) is held while its layer runs, and so
+    are those of the ``held_layers`` − 1 layers prefetched ahead of it: the memory counts the
+    most any ``held_layers`` consecutive layers gather (weights outside every layer: one run
+    before the first layer, one after the last; none in a ``symbolic`` problem).
     Without ``edges_without_fit``, a problem that cannot fit even with every node at its least
     memory (:meth:`ShardingProblem.min_memory`, which edges do not change) gets no edges: no
     solver needs them to call it infeasible, and they are most of a problem's building. Without
@@ -255,6 +260,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     if not edges or not edges_without_fit and problem.min_memory() > memory_limit_bytes:
         return problem, index
     weights = _parameter_views(graph, captured)
+    held_layer, held_windows = ({}, ()) if symbolic else _held_layers(graph, repeated, held_layers, weights)
     overlaps = any_overlap(overlap_efficiency, collective_overlap)
     edges: list[Edge] = []
     edge_at: dict[tuple, int] = {}  # identical graph edges (same representatives) -> one problem edge
@@ -279,13 +285,42 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
                                    sync_nbytes=_master_grad_bytes(captured, producer, out_index, nbytes)
                                    if key[5] else None,
                                    group=node_group[j] if key[5] and overlaps else -1,
-                                   bucket_bytes=bucket_bytes, by_bags_only=producer.name in id_counts))
+                                   bucket_bytes=bucket_bytes, by_bags_only=producer.name in id_counts,
+                                   held_layer=held_layer.get(consumer.name, -1) if key[5] and consumer is not None
+                                   else -1))
             else:
                 k = edge_at[key]
                 edges[k] = dataclasses.replace(edges[k], count=edges[k].count + 1)
             edge_of[(producer.name, OUTPUT if consumer is None else consumer.name, a)] = edge_at[key]
 
-    return dataclasses.replace(problem, edges=edges), index
+    return dataclasses.replace(problem, edges=edges, held_windows=held_windows), index
+
+
+def _held_layers(graph: torch.fx.Graph, repeated: dict[str, str], width: int, weights: set[str]
+                 ) -> tuple[dict[str, int], tuple[tuple[int, ...], ...]]:
+    """The runs of ops whose gathered weights are held together (passes.reshard's ``_Layer``):
+    each op's run — its layer, the copies of a repeated layer as their representative's, ops
+    outside every layer as the run before the first layer or the one after it — and every
+    ``width`` consecutive runs of ops reading ``weights`` in the order the graph runs them
+    (backward meets the same sets), each set once: the layers held at once, the running one
+    and those prefetched. (A residual add between layers reads no weight: no run.)"""
+    by_name = {node.name: node for node in graph.nodes}
+    runs: dict[str, int] = {}
+    group_of: dict[str, int] = {}
+    order: list[int] = []  # the run of every layer, or stretch outside layers, as the graph meets it
+    current, seen_layer = None, False
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        layer = node_layer(node)
+        seen_layer = seen_layer or bool(layer)
+        label = node_layer(by_name[repeated[node.name]]) if node.name in repeated else layer
+        group = group_of[node.name] = runs.setdefault(label or ("<after>" if seen_layer else "<before>"), len(runs))
+        if (layer, group) != current and any(a.name in weights for a in node.all_input_nodes):
+            current = (layer, group)
+            order.append(group)
+    windows = {tuple(sorted(order[k:k + width])) for k in range(max(1, len(order) - width + 1))}
+    return group_of, tuple(sorted(windows))
 
 
 def _sink_strategies(graph: torch.fx.Graph, captured: Captured, out_args: list[torch.fx.Node],

@@ -7,8 +7,8 @@ to just before the first op of layer k − 1 (a weight read after the last layer
 to before the last layer; layer 0's to the start of the graph), together with the views of the
 parameter they read; the gathered tensor waits where it is first read (its local tensor is an
 ``AsyncCollectiveTensor``). One layer ahead, as FSDP2's default: the next layer's full weights
-are held while the current one runs (the plan's memory counts no gathered weight: an
-approximation, which deeper prefetching stretches further). The planner costs the gather as
+are held while the current one runs (the plan's memory counts them: passes.build_problem's
+held windows, ``memory.gathered_bytes``). The planner costs the gather as
 hidden behind compute (passes.build_problem, the forward phase of a parameter edge).
 
 A gather read inside a layer that is recomputed is left where it is: moved out of the

@@ -46,13 +46,16 @@ def tensor_index(node: torch.fx.Node, out_index: int) -> int:
 
 
 def make_edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad, regather, mesh, follow=False,
-          sync_nbytes=None, group: int = -1, bucket_bytes: int = DDP_BUCKET_BYTES, by_bags_only: bool = False) -> Edge:
+          sync_nbytes=None, group: int = -1, bucket_bytes: int = DDP_BUCKET_BYTES, by_bags_only: bool = False,
+          held_layer: int = -1) -> Edge:
     """Resharding costs between placement classes. A ``follow`` edge only allows the consumer
     to take the producer's placement as is (when the consumer accepts it): this keeps the
     pair variables of the edge to the diagonal (coarsening, Alpa's "following").
     ``by_bags_only``: the tensor holds a batch's ids (passes.embedding_bag.id_indexed), whose
     first dim splits by bags, not by position, and unevenly: no reshard may split or gather
-    that dim (pairs that change which mesh dims split it are forbidden)."""
+    that dim (pairs that change which mesh dims split it are forbidden). ``held_layer`` (a
+    weight's edge): the run of ops whose gathered weights are held together
+    (passes.build_problem); each pair that reshards the weight holds the result's bytes."""
     # a parameter's ZeRO-2 twin is its own class: same use, its gradient goes elsewhere
     src_keys = [(s.outputs[out_index], s.state or s.outputs[out_index]) for s in src_options]
     dst_keys = [(t.inputs[arg], _split_mask(t) if not (_syncs_table(t) and arg == 0) else ()) for t in dst_options]
@@ -83,10 +86,22 @@ def make_edge(i, j, arg, out_index, src_options, dst_options, nbytes, needs_grad
     overlappable = None
     if group >= 0:  # what of it can run beside compute (passes.reshard_cost.Parts)
         overlappable = [[None if p is None else tuple(p[1:]) for p in row] for row in found]
+    held = None
+    if held_layer >= 0:  # gathering a sharded weight makes a copy at the consumer's placement
+        held = [[None if p is None else nbytes // pl.divided_over(v, mesh.shape) if _gathers(u[0], v, mesh.shape) else 0
+                 for p, (v, _) in zip(row, dst_classes)] for row, u in zip(found, src_classes)]
     src_at = {k: n for n, k in enumerate(src_classes)}
     dst_at = {k: n for n, k in enumerate(dst_classes)}
     return Edge(i, j, [src_at[k] for k in src_keys], [dst_at[k] for k in dst_keys], cost,
-                volume=volume, unrestricted=unrestricted if follow else None, group=group, parts=overlappable)
+                volume=volume, unrestricted=unrestricted if follow else None, group=group, parts=overlappable,
+                held=held, layer=held_layer if held is not None else -1)
+
+
+def _gathers(src: pl.Spec, dst: pl.Spec, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether resharding ``src`` to ``dst`` brings shards together on some mesh dim of two or
+    more devices (an all-gather or all-to-all: a new tensor; splitting a replicated one is a
+    slice)."""
+    return any(a.is_shard and a != b and size > 1 for a, b, size in zip(src, dst, mesh_shape))
 
 
 def _syncs_table(strategy: Strategy) -> bool:

@@ -4,7 +4,8 @@ not kept for backward but gathered again there.
 Autograd keeps what an op needs for its backward; a matmul keeps its gathered weight, so
 without this a plan that shards its parameters (FSDP, ZeRO-3) would hold every layer's full
 weight from forward to backward — the memory the plan says it saves. The planner costs the
-second gather (passes.build_problem, ``regather``) and counts no gathered weight in memory.
+second gather (passes.build_problem, ``regather``) and counts the gathered weights alive at
+once (the running layer's and the prefetched ones: ``memory.gathered_bytes``).
 
 Lowering writes :meth:`WeightGathers.gather` where a weight (or its compute copy, or a view
 of either) is gathered; the gathered tensor's storage is remembered (weakly). While the
@@ -73,8 +74,8 @@ class _Layer:
     of the ``prefetch_layers`` layers before it, so layer k − 1's all-gathers run while layer
     k's backward computes (issued asynchronously on NCCL meshes; on CPU meshes the gathers wait
     where issued — gloo's in-flight all-gather corrupts the heap, runtime._GatherNowReduceLater —
-    so there only the order changes). Each held weight is one the plan counts no memory for, as
-    with forward's prefetch (passes.prefetch). Weights read outside every layer (an embedding,
+    so there only the order changes). The plan counts the weights held so (the layer and the
+    ``prefetch_layers`` before it), as with forward's prefetch (passes.prefetch). Weights read outside every layer (an embedding,
     an LM head) make one such group per run of gathers."""
 
     def __init__(self, label: str | None, before: "_Layer | None") -> None:

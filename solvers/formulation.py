@@ -13,6 +13,8 @@ Variables (x first, in node order, then y in edge order)
     z[g,φ] ≥ 0              seconds: max(C_gφ, W_gφ) of overlap group g (a layer) in phase φ
                             (forward, backward), only where overlappable (parameter) communication
                             falls and some collective kind's η ≠ 0
+    h ≥ 0                   bytes: the most gathered weights held at once (only where an edge
+                            gathers a weight)
 Objective (seconds of one training step)
     min Σ_i n_i Σ_s c[i,s]·x[i,s] + Σ_e n_e Σ_{u,v} R[e,u,v]·y[e,u,v]
         + Σ_{folded e} n_e Σ_v R[e,u₀,v]·Σ_{t ∈ v} x[dst(e),t]   (mirrored for a single consumer class)
@@ -37,7 +39,12 @@ Constraint families (one method each; a row's name says its family and node or e
     edge_rows[e,u]:       Σ_v y[e,u,v] = Σ_{s ∈ u} x[src(e),s]          ∀ paired e, u
     edge_cols[e,v]:       Σ_u y[e,u,v] = Σ_{t ∈ v} x[dst(e),t]          ∀ paired e, v
     edge_forbidden[e,t]:  x[dst(e),t] = 0    folded e, R[e,u₀,class(t)] not allowed (mirrored)
-    memory:               Σ_i n_i Σ_s m[i,s]·x[i,s] ≤ M                 (bytes per device)
+    memory:               Σ_i n_i Σ_s m[i,s]·x[i,s] + h ≤ M             (bytes per device)
+    held[w]:              h − Σ_{l ∈ w} H_l ≥ 0                         ∀ windows w (problem.held_windows)
+    H_l = Σ_{e ∈ l} Σ_{u,v} held[e,u,v]·y[e,u,v]   (on the x of folded edges as above; once per
+             copy of a layer the window names, not n_e): the weights layer l gathers for use.
+             A window is the running layer and those prefetched with it (FSDP2 holds their
+             unsharded weights together), so at the optimum h is the most any window holds.
     overlap_compute[g,φ]: z[g,φ] − C_gφ ≥ 0                             ∀ g, φ
     overlap_comm[g,φ]:    z[g,φ] − W_gφ ≥ 0                             ∀ g, φ
     fixed[i]:             x[i,s] = 1         problem.fixed (baselines pin parameters, inputs)
@@ -117,6 +124,7 @@ class Formulation:
             self.num_x += len(costs)
         self.num_y = 0
         self.num_z = 0  # overlap z, counted once the edges' y are
+        self.num_h = 0  # the held-weights peak h (bytes), after the z
         self._first_y: dict[int, int] = {}  # paired edge k -> its first y (its y are consecutive)
         # Σ objective_coeffs[k]·x[objective_vars[k]], in seconds; a variable may recur
         self.objective_vars: list[int] = []
@@ -162,10 +170,39 @@ class Formulation:
             self._cost([z], [1.0])
             for variables, costs in sides:
                 self._cost(variables, [-c for c in costs])
+        # gathered weights: each layer's bytes on the x / y of its weights' edges, one copy of a
+        # repeated layer (not n_e: its copies gather one after another)
+        self.held_layers: dict[int, tuple[list[int], list[float]]] = {}
+        for k, e in enumerate(problem.edges):
+            if e.held is None or e.layer < 0:
+                continue
+            src_members, dst_members = e.members()
+            if _folded(src_members, dst_members):
+                variables, held = self._folded_costs(e, src_members, dst_members, _allowed(e.held, e.cost), count=1)
+            else:
+                pairs = self._pairs(k, e, src_members, dst_members)
+                variables, held = [y for _, _, y, _ in pairs], [e.held[u][v] for u, v, _, _ in pairs]
+            for var, b in zip(variables, held):
+                if b:
+                    _term(self.held_layers, e.layer, var, b)
+        # held windows (problem.held_windows) whose layers gather something: each its layers' terms
+        self.held_windows: list[tuple[tuple[int, ...], list[int], list[float]]] = []
+        for window in problem.held_windows:
+            variables, held = [], []
+            for layer in window:
+                found = self.held_layers.get(layer, ([], []))
+                variables += found[0]
+                held += found[1]
+            if variables:
+                self.held_windows.append((window, variables, held))
+        self.h = None  # the most bytes a window holds (a variable only where one gathers)
+        if self.held_windows:
+            self.h = self.num_variables
+            self.num_h = 1
 
     @property
     def num_variables(self) -> int:
-        return self.num_x + self.num_y + self.num_z
+        return self.num_x + self.num_y + self.num_z + self.num_h
 
     @property
     def num_binary(self) -> int:
@@ -178,7 +215,7 @@ class Formulation:
         for k in self._first_y:  # in index order
             e = self.problem.edges[k]
             names += [f"y[{k},{u},{v}]" for u, v, _, _ in self._pairs(k, e, *e.members())]
-        return names + [f"z[{g},{phase}]" for g, phase, *_ in self.overlap_groups]
+        return names + [f"z[{g},{phase}]" for g, phase, *_ in self.overlap_groups] + ["h"] * self.num_h
 
     def values(self, choice: list[int]) -> list[float]:
         """Every variable's value under ``choice`` (a strategy per node): x and y 0/1, each
@@ -197,6 +234,9 @@ class Formulation:
                     values[y] = 1.0
         for _g, _phase, z, *sides in self.overlap_groups:
             values[z] = max(sum(c for var, c in zip(*side) if values[var]) for side in sides)
+        if self.h is not None:
+            values[self.h] = max(sum(b for var, b in zip(variables, held) if values[var])
+                                 for _, variables, held in self.held_windows)
         return values
 
     # -- constraint families -------------------------------------------------------------
@@ -233,6 +273,9 @@ class Formulation:
         for i, mems in enumerate(p.node_memory):
             variables += [var for var, m in zip(self.x[i], mems) if m]
             coeffs += [p.count(i) * m for m in mems if m]
+        if self.h is not None:
+            variables.append(self.h)
+            coeffs.append(1)
         if variables:
             yield Row("memory", variables, coeffs, float("-inf"), p.memory_limit_bytes, unit=float(1 << 30))
 
@@ -242,6 +285,12 @@ class Formulation:
             for family, (variables, costs) in zip(("overlap_compute", "overlap_comm"), sides):
                 yield Row(f"{family}[{g},{phase}]", [z, *variables], [1.0, *(-c for c in costs)], 0, float("inf"),
                           seconds=True)
+
+    def held(self) -> Iterator[Row]:
+        """held[w]: h ≥ the bytes window w's layers gather (bytes, as the memory row)."""
+        for window, variables, held in self.held_windows:
+            yield Row(f"held[{','.join(map(str, window))}]", [self.h, *variables], [1, *(-b for b in held)], 0,
+                      float("inf"), unit=float(1 << 30))
 
     def fixed(self, fixed: dict[int, int]) -> Iterator[Row]:
         for i, s in fixed.items():
@@ -253,14 +302,16 @@ class Formulation:
 
     def rows(self, fixed: dict[int, int], excluded: frozenset[tuple[int, int]]) -> Iterator[Row]:
         """Every family, in order."""
-        return chain(self.one_strategy(), self.edge_consistency(), self.memory(), self.overlap(), self.fixed(fixed),
-                     self.excluded(excluded))
+        return chain(self.one_strategy(), self.edge_consistency(), self.memory(), self.held(), self.overlap(),
+                     self.fixed(fixed), self.excluded(excluded))
 
     # -- edges ---------------------------------------------------------------------------
 
-    def _folded_costs(self, e: Edge, src_members, dst_members, matrix) -> tuple[list[int], list[float | None]]:
+    def _folded_costs(self, e: Edge, src_members, dst_members, matrix, count: int | None = None
+                      ) -> tuple[list[int], list[float | None]]:
         """A folded edge's cost (``matrix``: e.cost, or the part of it paid in forward) on the x
-        of its other side: the variables, and n_e·R for each (None: not allowed)."""
+        of its other side: the variables, and n_e·R for each (None: not allowed; ``count``
+        instead of n_e where given)."""
         if len(src_members) == 1:
             (u,) = src_members
             node, costs = e.dst, [matrix[u][v] for v, ts in dst_members.items() for _ in ts]
@@ -269,7 +320,8 @@ class Formulation:
             (v,) = dst_members
             node, costs = e.src, [matrix[u][v] for u, ss in src_members.items() for _ in ss]
             order = [s for ss in src_members.values() for s in ss]
-        return [self.x[node][s] for s in order], [None if c is None else e.count * c for c in costs]
+        n = e.count if count is None else count
+        return [self.x[node][s] for s in order], [None if c is None else n * c for c in costs]
 
     def _pairs(self, k: int, e: Edge, src_members, dst_members) -> list[tuple[int, int, int, float]]:
         """(u, v, y, R) for each allowed class pair of paired edge k."""
@@ -299,6 +351,11 @@ def _weighted(problem: ShardingProblem, e: Edge) -> tuple[list[list[float | None
     parts = [[None if c is None else problem.weighted_parts(e, u, v)[2:] for v, c in enumerate(e.cost[u])]
              for u in rows]
     return tuple([[None if p is None else p[phase] for p in parts[u]] for u in rows] for phase in (0, 1))
+
+
+def _allowed(matrix: list[list], cost: list[list]) -> list[list]:
+    """``matrix`` where ``cost`` allows the pair, None elsewhere."""
+    return [[None if c is None else m for m, c in zip(row, costs)] for row, costs in zip(matrix, cost)]
 
 
 def _folded(src_members: dict, dst_members: dict) -> bool:

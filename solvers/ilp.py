@@ -1,7 +1,8 @@
 r"""The sharding ILP (solvers/formulation.py, where its math is written) on OR-Tools CP-SAT.
 
 Every x and y is a 0/1 ``BoolVar``, every overlap z an integer in the objective's units (its
-rows' coefficients in seconds are scaled like the objective); one_strategy rows become ``add_exactly_one``, the other
+rows' coefficients in seconds are scaled like the objective), the held-weights peak h an
+integer in bytes; one_strategy rows become ``add_exactly_one``, the other
 rows linear constraints named after their family; the objective is scaled to integers (the
 largest single term becomes 1e8 units). CP-SAT runs with one worker and
 ``linearization_level=2`` (deterministic, and it proves optimality fast without a second
@@ -177,10 +178,13 @@ def _cp_sat_model(formulation: Formulation, fixed: dict[int, int], excluded: fro
     scale = _SCALE_TARGET / largest if largest > 0 else 1.0
     # a z is an integer in the objective's units (1/scale s); its bound: every term at once
     z_bound = sum(round(abs(c) * scale) for c in costs) + 1
+    # h (bytes): the layer that gathers the most, at most every layer's gathers at once
+    h_bound = sum(round(b) for _, held in formulation.held_layers.values() for b in held) * \
+        max((len(window) for window, *_ in formulation.held_windows), default=1) + 1
     for v, name in enumerate(formulation.names()):
         variable = proto.variables.add()
         variable.name = name
-        variable.domain.extend([0, 1] if v < binary else [0, z_bound])
+        variable.domain.extend([0, 1] if v < binary else [0, h_bound if v == formulation.h else z_bound])
 
     def integral(v: int, c: float) -> int:  # seconds → units; z are in units already
         return round(c * scale) if v < binary else round(c)

@@ -58,12 +58,12 @@ class LpRelaxation:
         # by term
         model = linear_solver_pb2.MPModelProto()
         bounded = formulation.num_binary
-        for v in range(formulation.num_variables):  # z (overlap, seconds) are unbounded
+        for v in range(formulation.num_variables):  # z (overlap, seconds) and h (bytes) are unbounded
             model.variable.add(lower_bound=0.0, upper_bound=1.0 if v < bounded else math.inf)
         for row in chain(formulation.one_strategy(), formulation.edge_consistency()):
             _add_row(model, row)
         memory_terms = [_add_row(model, row) for row in formulation.memory()]
-        for row in formulation.overlap():
+        for row in chain(formulation.held(), formulation.overlap()):
             _add_row(model, row)
         status = self.solver.LoadModelFromProtoKeepNames(model)
         if status:

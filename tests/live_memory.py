@@ -61,3 +61,28 @@ def held_for_backward(pmodel, *inputs, target) -> int:
         pmodel.step(*inputs, target=target)
     assert watch.held_bytes is not None, "the step ran no backward"
     return watch.held_bytes
+
+
+class PeakGathered(TorchDispatchMode):
+    """Inside it, the storages all-gathers make are watched; ``peak_bytes`` is the most bytes of
+    them alive at once, looked at around every op (forward and backward): the weights an FSDP
+    step holds gathered, which the plan counts as ``memory.gathered_bytes``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = WeakIdKeyDictionary()  # storage -> its bytes, while it lives
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._look()
+        out = func(*args, **(kwargs or {}))
+        if "all_gather" in func.name():
+            for tensor in tree_flatten(out)[0]:
+                for plain in _plain(tensor):
+                    storage = plain.untyped_storage()
+                    self.made[storage] = storage.nbytes()
+        self._look()
+        return out
+
+    def _look(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, sum(self.made.values()))

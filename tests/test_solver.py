@@ -19,7 +19,8 @@ from autopar.solvers.relaxation import LpRelaxation
 
 def random_problem(rng: random.Random) -> ShardingProblem:
     """≤ 8 nodes, ≤ 4 strategies, a random DAG; half of the problems carry the multiplicities
-    of folded repeated layers (node and edge counts, edges between copies of one node)."""
+    of folded repeated layers (node and edge counts, edges between copies of one node); some
+    overlap groups, some gathered weights held per window of layers."""
     n = rng.randint(2, 8)
     k = [rng.randint(1, 4) for _ in range(n)]
     while math.prod(k) > 4096:  # keep brute force quick
@@ -53,6 +54,12 @@ def random_problem(rng: random.Random) -> ShardingProblem:
         problem = dataclasses.replace(problem, edges=edges, node_group=groups, node_comm=own, node_forward=forward,
                                       overlap_efficiency=rng.choice([1.0, 0.5, round(rng.uniform(0, 1), 3)]),
                                       collective_overlap=kinds, prefetch=rng.random() < 0.7)
+    if rng.random() < 0.4:  # gathered weights: some edges hold bytes in one of 3 layers, held in windows
+        edges = [dataclasses.replace(e, layer=rng.randint(0, 2), held=[[None if c is None else rng.choice(
+            [0, rng.randint(1, 60)]) for c in row] for row in e.cost]) if rng.random() < 0.6 else e
+            for e in problem.edges]
+        windows = tuple(sorted({tuple(sorted(rng.choices(range(3), k=rng.randint(1, 3)))) for _ in range(3)}))
+        problem = dataclasses.replace(problem, edges=edges, held_windows=windows)
     return problem
 
 

@@ -126,10 +126,12 @@ def _train_through_a_slowdown() -> dict:
 
 
 def _changed(old, new) -> list[str]:
-    """What differs between two plans of one model: family, stage cuts, placements."""
+    """What differs between two plans of one model: family, stage cuts, micro-batches and
+    schedule, placements (on these one-device stages ties, which the solver may settle either way)."""
     changes = [what for what, differs in (
         ("family", old.family != new.family),
         ("stages", [st.layers for st in old.stages] != [st.layers for st in new.stages]),
+        ("micro-batches", (old.micro_batches, old.schedule) != (new.micro_batches, new.schedule)),
         ("placements", {k: p.placement for k, p in old.parameters.items()}
          != {k: p.placement for k, p in new.parameters.items()}),
         ("node placements", {k: n.outputs for k, n in old.nodes.items()} != {k: n.outputs for k, n in new.nodes.items()}))

@@ -139,7 +139,8 @@ def to_plan(captured: Captured, cluster: Cluster, mesh: MeshSpec, problem: Shard
         predicted_step_s=step_s, predicted_compute_s=compute_total,
         predicted_comm_s=communication + step_s - solution.objective_s,  # the table-wise owners' spread too
         predicted_exposed_comm_s=step_s - compute_total,
-        memory=MemoryBreakdown(memory["param"], memory["grad"], memory["states"], memory["act"]),
+        memory=MemoryBreakdown(memory["param"], memory["grad"], memory["states"], memory["act"],
+                               problem.held_bytes(solution.choice)),
         solver={"name": options.solver, "status": solution.status, "method": solution.method,
                 "objective_s": solution.objective_s,
                 "bound_s": solution.bound_s, "variables": solution.num_variables,

@@ -246,11 +246,13 @@ class MeshSearch:
 
     def memory_of(self, plan: Plan, mesh: MeshSpec, recompute: str) -> int:
         """Bytes per device ``plan``'s placements (made on ``mesh``) hold when ``recompute``
-        is the mode: its problem's node memory (edges hold none), strategies annotated for
-        ``mesh`` first."""
+        is the mode: its problem's node memory (built without edges), and the weights its
+        placements gather (the plan's: no recompute mode changes them), strategies annotated
+        for ``mesh`` first."""
         annotate_strategies(self.captured, mesh.shape, skip=self.repeated)
         problem, index = self._problem(mesh, recompute=recompute, edges=False)
-        return problem.memory(plan_choice(self.captured, plan, index, f"mesh {list(mesh.shape)}"))
+        choice = plan_choice(self.captured, plan, index, f"mesh {list(mesh.shape)}")
+        return problem.memory(choice) + plan.memory.gathered_bytes
 
     @staticmethod
     def _rules(mesh: MeshSpec) -> dict:

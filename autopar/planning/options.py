@@ -176,10 +176,13 @@ class PlanOptions:
 
     def problem_overlap(self, device) -> dict[str, Any]:
         """passes.build_problem's overlap arguments on ``device``: its η (per collective kind
-        where measured; none with overlap off), whether gathers are prefetched, the buckets."""
+        where measured; none with overlap off), whether gathers are prefetched, the buckets,
+        and how many layers' gathered weights are held at once (the running one and those
+        prefetched: passes.prefetch and passes.reshard prefetch only where the plan overlaps)."""
         return {"overlap_efficiency": device.overlap_efficiency if self.overlap else 0.0,
                 "collective_overlap": device.collective_overlap if self.overlap else (),
-                "prefetch": self.prefetch_layers > 0, "bucket_bytes": int(self.bucket_cap_mb * 2**20)}
+                "prefetch": self.prefetch_layers > 0, "bucket_bytes": int(self.bucket_cap_mb * 2**20),
+                "held_layers": 1 + (self.prefetch_layers if self.overlap else 0)}
 
 
 @dataclass(frozen=True)

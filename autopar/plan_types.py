@@ -148,6 +148,9 @@ def check_plan_types(plan, source: str) -> None:
                           "communication weighted by its overlap efficiency]", times)
             if entry["copies"] < 1:
                 _fail(source, f"{where}.copies", "a positive count", entry["copies"])
+            exposed = entry.get("exposed_copies", 0)
+            if not isinstance(exposed, int) or isinstance(exposed, bool) or not 0 <= exposed <= entry["copies"]:
+                _fail(source, f"{where}.exposed_copies", "a count of copies from 0 to copies", exposed)
     for name, node in plan.nodes.items():
         for k, alternative in enumerate(node.alternatives):
             if not isinstance(alternative, dict):

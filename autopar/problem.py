@@ -95,7 +95,8 @@ class ShardingProblem:
     # communication stream. A collective of kind k runs the fraction η_k of its time beside
     # compute and stalls compute for the rest, so a group's phase takes
     #     max(C, Σ_k η_k·O_k) + Σ_k (1 − η_k)·O_k  =  C + Σ_k O_k − min(C, Σ_k η_k·O_k)
-    # (η_k < 0: overlapping it slows both streams, as gloo's thread taking a core does).
+    # (η_k < 0: overlapping it slows both streams, as gloo's thread taking a core does), except
+    # one copy of the first layer's (``exposed_group``), which nothing runs beside.
     node_group: list[int] | None = None  # per node, its group (-1: none)
     node_comm: list[list[float]] | None = None  # per node and strategy, the part of its cost that is
     # communication it makes itself (an expert dispatch, a sparse exchange): exposed, not compute
@@ -106,6 +107,10 @@ class ShardingProblem:
     # weight gathers issued ahead of their layer (FSDP2's prefetch): the forward share of a
     # parameter's communication hides behind compute; False: it is exposed (gathered when read)
     prefetch: bool = True
+    # the group of the first layer the graph runs: one copy of its communication no compute
+    # hides — its weights are gathered before any layer computes, and its gradients reduced
+    # after the last backward computes (with the last layer's first re-gather, as large)
+    exposed_group: int = -1
     # the layers (``Edge.layer``) whose gathered weights one device holds at once: each the
     # running layer and those prefetched after it (FSDP2: 1 + its prefetch depth, in forward and
     # in backward), a repeated layer named once per copy in it
@@ -208,8 +213,16 @@ class ShardingProblem:
 
     def hidden_comm(self, choice: list[int]) -> float:
         """Communication overlap hides: min(C, Σ_k η_k·O_k) per group and phase (negative where
-        overlapping costs more than it hides)."""
-        return sum(_least(c, w) for c, _, w in self.group_times(choice).values())
+        overlapping costs more than it hides), all but one copy's in the exposed group."""
+        return sum(self.hidden_share(g) * _least(c, w) for (g, _), (c, _, w) in self.group_times(choice).items())
+
+    def hidden_share(self, g: int) -> float:
+        """The share of group ``g``'s copies whose communication overlap may hide: (n − 1)/n
+        for the n copies of :attr:`exposed_group`, else all of them."""
+        if g != self.exposed_group:
+            return 1.0
+        copies = max((self.count(i) for i, h in enumerate(self.node_group or ()) if h == g), default=1)
+        return (copies - 1) / copies
 
     def min_memory(self) -> int:
         """Memory of the least memory-hungry strategy of every node the problem leaves free (a

@@ -139,13 +139,15 @@ def phase_times(plan: Plan, entry: dict, phase: str) -> tuple[float, float, floa
     """An overlap layer entry's phase, over all its copies: (compute, overlappable communication,
     what overlap hides: min(compute, the communication weighted by its kinds' η), negative
     where overlapping costs more than it hides). Plans made before per-kind η record two
-    figures: their hidden share is η·min(compute, communication)."""
+    figures: their hidden share is η·min(compute, communication). The first layer's entry has
+    one copy whose communication nothing hides (``exposed_copies``)."""
     times = entry[phase]
+    share = (entry["copies"] - entry.get("exposed_copies", 0)) / entry["copies"]
     if len(times) == 3:
         compute, comm, weighted = times
-        return compute, comm, min(compute, weighted)
+        return compute, comm, share * min(compute, weighted)
     compute, comm = times
-    return compute, comm, plan.overlap.get("efficiency", 0.0) * min(compute, comm)
+    return compute, comm, share * plan.overlap.get("efficiency", 0.0) * min(compute, comm)
 
 
 def overlap_rows(plan: Plan) -> list[list[str]]:

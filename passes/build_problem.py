@@ -118,7 +118,8 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     FSDP2 does, and gradient reductions, issued during backward as DDP's buckets are) run beside
     its compute for the fraction η of their kind (autopar.problem, solvers.formulation), and so
     does the backward re-gather of a weight freed after forward (FSDP2 prefetches it); every
-    other collective stays on the critical path.
+    other collective stays on the critical path. One copy of the first layer's collectives hides
+    behind nothing (its gathers run before any compute, its gradients' reduction after the last).
     Without ``prefetch`` a weight is gathered where it is read: its forward gathers are exposed.
     ``bucket_bytes``: the lowered program's gradient buckets (each pays one collective's latency).
     A weight gathered for use (FSDP's unsharded parameter) is held while its layer runs, and so
@@ -251,10 +252,11 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     counts.append(1)
     fallback.append(False)
 
+    first_layer = next((node_layer(n) for n in graph.nodes if n.op == "call_function" and node_layer(n)), None)
     problem = ShardingProblem(names, costs, memory, [], memory_limit_bytes, node_count=counts,
                               node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
                               overlap_efficiency=overlap_efficiency, collective_overlap=collective_overlap,
-                              prefetch=prefetch)
+                              prefetch=prefetch, exposed_group=group_of.get(first_layer, -1))
     index = ProblemIndex(names, strategies, kinds, position, {}, fallback, parameter_memory,
                          kept_without_recompute, rerun_s, rerun_buffer, list(group_of))
     if not edges or not edges_without_fit and problem.min_memory() > memory_limit_bytes:

@@ -18,7 +18,7 @@ Variables (x first, in node order, then y in edge order)
 Objective (seconds of one training step)
     min Σ_i n_i Σ_s c[i,s]·x[i,s] + Σ_e n_e Σ_{u,v} R[e,u,v]·y[e,u,v]
         + Σ_{folded e} n_e Σ_v R[e,u₀,v]·Σ_{t ∈ v} x[dst(e),t]   (mirrored for a single consumer class)
-        + Σ_{g,φ} (z[g,φ] − C_gφ − W_gφ)
+        + Σ_{g,φ} (z[g,φ] − f_g·C_gφ − f_g·W_gφ)
     (n_i, n_e: how many identical graph nodes / edges of repeated layers the term stands for;
     the memory row is weighted the same way)
     C_gφ = Σ_{i ∈ g} n_i Σ_s c_φ[i,s]·x[i,s]   the group's compute in phase φ: forward is the op's
@@ -33,7 +33,10 @@ Objective (seconds of one training step)
     fraction η_k of its kind beside the layer's compute of the same phase and stalling it for
     the rest (issue 20; FSDP2 prefetches the next layer's gather and reduce-scatters during
     backward). η_k < 0 (overlap that slows both streams) needs nothing more: max stays convex.
-    The epigraph keeps the model linear and its optimum exact.
+    The epigraph keeps the model linear and its optimum exact. f_g (the share of the group's
+    hiding that counts; z is then f_g·max) = 1, except (n − 1)/n for
+    the n copies of the first layer the graph runs (problem.exposed_group): one copy's weights
+    are gathered before any compute and its gradients reduced after the last, nothing beside.
 Constraint families (one method each; a row's name says its family and node or edge)
     one_strategy[i]:      Σ_s x[i,s] = 1                                ∀ i
     edge_rows[e,u]:       Σ_v y[e,u,v] = Σ_{s ∈ u} x[src(e),s]          ∀ paired e, u
@@ -45,8 +48,8 @@ Constraint families (one method each; a row's name says its family and node or e
              copy of a layer the window names, not n_e): the weights layer l gathers for use.
              A window is the running layer and those prefetched with it (FSDP2 holds their
              unsharded weights together), so at the optimum h is the most any window holds.
-    overlap_compute[g,φ]: z[g,φ] − C_gφ ≥ 0                             ∀ g, φ
-    overlap_comm[g,φ]:    z[g,φ] − W_gφ ≥ 0                             ∀ g, φ
+    overlap_compute[g,φ]: z[g,φ] − f_g·C_gφ ≥ 0                         ∀ g, φ
+    overlap_comm[g,φ]:    z[g,φ] − f_g·W_gφ ≥ 0                         ∀ g, φ
     fixed[i]:             x[i,s] = 1         problem.fixed (baselines pin parameters, inputs)
     excluded[i,s]:        x[i,s] = 0         problem.excluded
 
@@ -165,7 +168,9 @@ class Formulation:
         for g, phase in sorted(comm):
             z = self.num_variables
             self.num_z += 1
-            sides = (compute.get((g, phase), ([], [])), comm[(g, phase)])
+            share = problem.hidden_share(g)  # f·max(C, W) = max(f·C, f·W): z stays a unit of the objective
+            sides = tuple((variables, [share * c for c in costs])
+                          for variables, costs in (compute.get((g, phase), ([], [])), comm[(g, phase)]))
             self.overlap_groups.append((g, phase, z, *sides))
             self._cost([z], [1.0])
             for variables, costs in sides:

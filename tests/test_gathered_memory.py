@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 import autopar
-from tests.distributed import run_world
-from tests.live_memory import PeakGathered
-from tests.test_overlap import _model_and_reference
+from distributed import run_world
+from live_memory import PeakGathered
+from test_overlap import _model_and_reference
 
 
 def _gathered_worker():

@@ -19,7 +19,7 @@ from autopar.report import mesh_dim_roles
 
 def _gpt():
     torch.manual_seed(0)
-    return models.GPT(vocab=256, d=64, layers=2, heads=4, max_len=32), torch.randint(0, 256, (8, 32))
+    return models.GPT(vocab=256, d=64, layers=2, heads=4, max_len=32), torch.randint(0, 256, (16, 32))
 
 
 def test_the_outer_dim_of_a_3d_mesh_only_splits_the_batch():

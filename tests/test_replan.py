@@ -21,7 +21,7 @@ from test_overlap import ResidualMLP
 
 def _model():
     with torch.device("meta"):
-        return ResidualMLP(4096, 4), torch.randn(1024, 4096)
+        return ResidualMLP(4096, 4), torch.randn(2048, 4096)
 
 
 def _cluster(tmp_path, gbps: float) -> str:
@@ -53,13 +53,14 @@ def test_a_device_receives_its_new_piece_less_what_it_holds():
 
 
 def test_replan_from_fsdp_to_the_optimum_prices_the_gather_of_every_weight(tmp_path):
-    """An FSDP plan re-planned on its own cluster becomes the optimum (DDP on compute-bound
-    layers, test_overlap's golden case): every device gathers 3/4 of each weight and of its two
-    AdamW states, and the faster step pays that back after the number of steps it says."""
+    """An FSDP plan re-planned on its own cluster becomes the optimum over 1-D meshes (DDP on
+    compute-bound layers, test_overlap's golden case; the re-plan searches as many mesh dims as
+    the plan did): every device gathers 3/4 of each weight and of its two AdamW states, and the
+    faster step pays that back after the number of steps it says."""
     model, x = _model()
-    old = autopar.plan(model, (x,), cluster="4xH100", mesh_shape=(4,), configuration="fsdp")
+    old = autopar.plan(model, (x,), cluster="4xH100", mesh_dims=1, configuration="fsdp")
     answer = autopar.replan(old, "4xH100", model, (x,))
-    fresh = autopar.plan(model, (x,), cluster="4xH100")
+    fresh = autopar.plan(model, (x,), cluster="4xH100", mesh_dims=1)
     assert answer.plan.predicted_step_s == pytest.approx(fresh.predicted_step_s, rel=1e-6)
     assert {p.placement for p in answer.plan.parameters.values()} == {"R"}
     assert answer.plan.baselines == {} and fresh.baselines  # a re-plan costs no hand-written baselines

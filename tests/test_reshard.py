@@ -91,7 +91,7 @@ def _reshard_worker(steps: int):
 def test_reshard_moves_parameters_and_optimizer_state_to_another_plan():
     """Train under plan A, switch the running model to plans B and C in place, train on: the
     same parameters and AdamW moments as one process trained throughout (4 gloo ranks)."""
-    from tests.distributed import run_world
+    from distributed import run_world
 
     error, moments, placements, meshes, same_mesh = run_world(4, _reshard_worker, 2)
     assert placements[0] == ["R"] and placements[0] != placements[1] != placements[2], placements
@@ -140,7 +140,7 @@ def _replica_reshard_worker(steps: int):
 
 
 def test_reshard_moves_state_into_and_out_of_replica_groups():
-    from tests.distributed import run_world
+    from distributed import run_world
 
     error, moments, families = run_world(4, _replica_reshard_worker, 2)
     assert families == ["replicas", "one_mesh", "replicas"]
@@ -166,7 +166,7 @@ def _pipeline_reshard_worker(steps: int):
 
 
 def test_reshard_moves_state_into_and_out_of_pipeline_stages():
-    from tests.distributed import run_world
+    from distributed import run_world
 
     error, moments, families = run_world(2, _pipeline_reshard_worker, 2)
     assert families == ["pipeline", "one_mesh", "pipeline"]

@@ -60,6 +60,8 @@ def random_problem(rng: random.Random) -> ShardingProblem:
             for e in problem.edges]
         windows = tuple(sorted({tuple(sorted(rng.choices(range(3), k=rng.randint(1, 3)))) for _ in range(3)}))
         problem = dataclasses.replace(problem, edges=edges, held_windows=windows)
+    if problem.node_group is not None and rng.random() < 0.5:  # one copy of a group's communication exposed
+        problem = dataclasses.replace(problem, exposed_group=rng.randint(0, 2))
     return problem
 
 

@@ -164,8 +164,8 @@ def _overlap_summary(problem: ShardingProblem, index: ProblemIndex, choice: list
     """The plan's ``overlap``: the device's efficiency (per collective kind where measured) and,
     per layer group in the order the graph runs them (repeated layers once, with their copies),
     each phase's compute, overlappable communication and that communication weighted by its
-    kinds' η (what overlap can hide: min(compute, weighted)) — what ``show``, the HTML report
-    and ``show --trace`` draw."""
+    kinds' η (what overlap can hide: min(compute, weighted), in all copies but the first
+    layer's ``exposed_copies``) — what ``show``, the HTML report and ``show --trace`` draw."""
     times = problem.group_times(choice)
     copies: dict[int, int] = {}
     for i, g in enumerate(problem.node_group or ()):
@@ -173,7 +173,8 @@ def _overlap_summary(problem: ShardingProblem, index: ProblemIndex, choice: list
             copies[g] = max(copies.get(g, 1), problem.count(i))
     layers = [{"layer": name, "copies": copies.get(g, 1),
                "forward": list(times.get((g, "forward"), (0.0, 0.0, 0.0))),
-               "backward": list(times.get((g, "backward"), (0.0, 0.0, 0.0)))}
+               "backward": list(times.get((g, "backward"), (0.0, 0.0, 0.0))),
+               **({"exposed_copies": 1} if g == problem.exposed_group else {})}
               for g, name in enumerate(index.group_names)]
     summary = {"efficiency": problem.overlap_efficiency, "layers": layers}
     if problem.collective_overlap:

@@ -61,6 +61,17 @@ def _html_table(table) -> str:
     return f"<table>{caption}<tr>{head}</tr>{cells}</table>"
 
 
+# the memory bars' segments: label, MemoryBreakdown field, colour (the legend's order)
+_MEMORY_PARTS = (("params", "params_bytes", "#2f80ed"), ("grads", "grads_bytes", "#56ccf2"),
+                 ("optimizer", "optimizer_bytes", "#9b51e0"), ("activations", "activations_bytes", "#f2994a"),
+                 ("gathered weights", "gathered_bytes", "#27ae60"))
+
+
+def _memory_parts(memory: MemoryBreakdown, **replaced: int) -> list[tuple[str, int, str]]:
+    """A device's bar segments (label, bytes, colour); ``replaced``: fields shown at other bytes."""
+    return [(label, replaced.get(name, getattr(memory, name)), colour) for label, name, colour in _MEMORY_PARTS]
+
+
 def _memory_rows(plan: Plan) -> list[tuple[str, object]]:
     """(devices label, their memory breakdown), identical devices in one row with their count:
     a stage's or replica's devices hold that group's plan; one mesh's devices hold equal shares."""
@@ -131,23 +142,15 @@ def render(plan: Plan) -> str:
     body.append(f"<p>bars span {'the memory limit' if scale == limit else 'the fullest device'} "
                 f"({format_bytes(scale)})</p><table><tr><th>devices</th><th>use</th><th>total</th><th></th></tr>")
     for label, m in rows:
-        parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
-                 ("optimizer", m.optimizer_bytes, "#9b51e0"), ("activations", m.activations_bytes, "#f2994a"),
-                 ("gathered weights", m.gathered_bytes, "#27ae60")]
         body.append(f"<tr><td>{html.escape(label)}</td><td>{100 * m.total_bytes / limit:.1f}% of "
-                    f"{format_bytes(limit)}</td><td>{format_bytes(m.total_bytes)}</td><td>{_bar(parts, scale)}</td></tr>")
+                    f"{format_bytes(limit)}</td><td>{format_bytes(m.total_bytes)}</td>"
+                    f"<td>{_bar(_memory_parts(m), scale)}</td></tr>")
     if plan.recompute_cost:  # the same placements had every activation been kept
-        m = plan.memory
-        parts = [("params", m.params_bytes, "#2f80ed"), ("grads", m.grads_bytes, "#56ccf2"),
-                 ("optimizer", m.optimizer_bytes, "#9b51e0"),
-                 ("activations", plan.recompute_cost["activations_kept_bytes"], "#f2994a"),
-                 ("gathered weights", m.gathered_bytes, "#27ae60")]
+        parts = _memory_parts(plan.memory, activations_bytes=plan.recompute_cost["activations_kept_bytes"])
         body.append(f"<tr><td>without recomputation</td><td>{100 * kept / limit:.1f}% of {format_bytes(limit)}"
                     f"</td><td>{format_bytes(kept)}</td><td>{_bar(parts, max(scale, kept))}</td></tr>")
     body.append("</table><p class='legend'>" + "".join(
-        f"<span style='background:{c}'></span>{n}" for n, c in (("params", "#2f80ed"), ("grads", "#56ccf2"),
-                                                               ("optimizer", "#9b51e0"), ("activations", "#f2994a"),
-                                                               ("gathered weights", "#27ae60")))
+        f"<span style='background:{c}'></span>{n}" for n, _, c in _MEMORY_PARTS)
         + "</p>")
     hidden = max(plan.predicted_comm_s - exposed_comm_s(plan), 0.0)
     body.append("<h2>Time per step</h2><table><tr><td>compute stream</td><td>"

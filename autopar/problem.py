@@ -221,8 +221,12 @@ class ShardingProblem:
         for the n copies of :attr:`exposed_group`, else all of them."""
         if g != self.exposed_group:
             return 1.0
-        copies = max((self.count(i) for i, h in enumerate(self.node_group or ()) if h == g), default=1)
+        copies = self.group_copies(g)
         return (copies - 1) / copies
+
+    def group_copies(self, g: int) -> int:
+        """How many identical copies overlap group ``g`` stands for (a repeated layer's; 1 else)."""
+        return max((self.count(i) for i, h in enumerate(self.node_group or ()) if h == g), default=1)
 
     def min_memory(self) -> int:
         """Memory of the least memory-hungry strategy of every node the problem leaves free (a

@@ -48,7 +48,7 @@ from autopar.passes.node_memory import (
 from autopar.passes.sparse import add_sparse_exchange, add_table_wise, owned_table_options, table_wise_tables
 from autopar.passes.stack_experts import add_owned_stacks, expert_members, owned_leaf_options
 from autopar.passes.symbolic import SYMBOLIC_BYTES_KEY, SYMBOLIC_COST_KEY
-from autopar.passes.stages import layer_order, node_layer
+from autopar.passes.stages import layer_order, node_layer, outside_layers
 from autopar.passes.strategy_exchanges import exchange_s
 from autopar.passes.strategies import (
     FALLBACK_KEY, STRATEGIES_KEY, enumerate_strategies, leaf_candidates, work_split)
@@ -252,7 +252,7 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
     counts.append(1)
     fallback.append(False)
 
-    first_layer = next((node_layer(n) for n in graph.nodes if n.op == "call_function" and node_layer(n)), None)
+    first_layer = next(iter(layer_order(graph)), None)
     problem = ShardingProblem(names, costs, memory, [], memory_limit_bytes, node_count=counts,
                               node_group=node_group, node_comm=own_comm, node_forward=forward_compute,
                               overlap_efficiency=overlap_efficiency, collective_overlap=collective_overlap,
@@ -317,7 +317,7 @@ def _held_layers(graph: torch.fx.Graph, repeated: dict[str, str], width: int, we
         layer = node_layer(node)
         seen_layer = seen_layer or bool(layer)
         label = node_layer(by_name[repeated[node.name]]) if node.name in repeated else layer
-        group = group_of[node.name] = runs.setdefault(label or ("<after>" if seen_layer else "<before>"), len(runs))
+        group = group_of[node.name] = runs.setdefault(label or outside_layers(seen_layer), len(runs))
         if (layer, group) != current and any(a.name in weights for a in node.all_input_nodes):
             current = (layer, group)
             order.append(group)

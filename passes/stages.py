@@ -38,6 +38,15 @@ def node_layer(node: torch.fx.Node) -> str | None:
     return None
 
 
+FRONT, BACK = "<before the layers>", "<after the layers>"  # ops outside every layer, by position
+
+
+def outside_layers(seen_layer: bool) -> str:
+    """The label of an op outside every layer: :data:`FRONT` before the graph's first layer
+    ran (``seen_layer`` False), :data:`BACK` after."""
+    return BACK if seen_layer else FRONT
+
+
 def layer_order(graph: torch.fx.Graph) -> list[str]:
     """Layers in the order the graph first runs them: the units stages are cut between."""
     seen: dict[str, None] = {}

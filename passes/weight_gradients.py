@@ -19,18 +19,17 @@ import torch
 from autopar.passes.build_problem import gradient_path
 from autopar.passes.capture import Captured
 from autopar.passes.cost import COST_KEY
-from autopar.passes.stages import node_layer
+from autopar.passes.stages import node_layer, outside_layers
 
 aten = torch.ops.aten
 _CASTS = {aten._to_copy.default}  # mixed precision's compute copy of a weight is still the weight
 
-FRONT, BACK = "<before the layers>", "<after the layers>"  # ops outside every layer, by position
 
 
 def weight_gradient_flops(captured: Captured) -> dict[str, tuple[float, float]]:
-    """Per layer (``blocks.3``; the ops before the first layer under :data:`FRONT`, the rest
-    outside every layer under :data:`BACK`): (the weight gradients' FLOPs, the training FLOPs
-    of its ops on the gradient path)."""
+    """Per layer (``blocks.3``; the ops before the first layer under passes.stages' ``FRONT``,
+    the rest outside every layer under its ``BACK``): (the weight gradients' FLOPs, the training
+    FLOPs of its ops on the gradient path)."""
     graph = captured.graph
     on_path = gradient_path(graph, captured)
     weights = set(captured.parameter_of)
@@ -48,7 +47,7 @@ def weight_gradient_flops(captured: Captured) -> dict[str, tuple[float, float]]:
         seen_layer = seen_layer or layer is not None
         if node.name not in on_path:
             continue
-        entry = sums[layer or (BACK if seen_layer else FRONT)]
+        entry = sums[layer or outside_layers(seen_layer)]
         entry[0] += cost.flops if reads_weight else 0.0
         entry[1] += 3 * cost.flops
     return {layer: (w, total) for layer, (w, total) in sums.items()}

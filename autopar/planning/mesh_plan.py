@@ -167,11 +167,7 @@ def _overlap_summary(problem: ShardingProblem, index: ProblemIndex, choice: list
     kinds' η (what overlap can hide: min(compute, weighted), in all copies but the first
     layer's ``exposed_copies``) — what ``show``, the HTML report and ``show --trace`` draw."""
     times = problem.group_times(choice)
-    copies: dict[int, int] = {}
-    for i, g in enumerate(problem.node_group or ()):
-        if g >= 0:
-            copies[g] = max(copies.get(g, 1), problem.count(i))
-    layers = [{"layer": name, "copies": copies.get(g, 1),
+    layers = [{"layer": name, "copies": problem.group_copies(g),
                "forward": list(times.get((g, "forward"), (0.0, 0.0, 0.0))),
                "backward": list(times.get((g, "backward"), (0.0, 0.0, 0.0))),
                **({"exposed_copies": 1} if g == problem.exposed_group else {})}

@@ -34,8 +34,8 @@ from autopar.passes.cost import COST_KEY, annotate_costs, tensor_bytes
 from autopar.passes.layers import layer_signatures
 from autopar.passes.memory import annotate_saved
 from autopar.passes.strategies import MEMO_KEY
-from autopar.passes.stages import assign_stages, layer_order, lane_slice_dim, split_graph
-from autopar.passes.weight_gradients import BACK, FRONT, weight_gradient_flops, weight_gradient_share
+from autopar.passes.stages import BACK, FRONT, assign_stages, layer_order, lane_slice_dim, split_graph
+from autopar.passes.weight_gradients import weight_gradient_flops, weight_gradient_share
 from autopar.solvers.pipeline import PipelineSolution, StageTime
 
 

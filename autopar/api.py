@@ -207,16 +207,20 @@ def parallelize(model: nn.Module, example_inputs, cluster: "str | Cluster | None
                 loss_fn: Callable | None = None, **options) -> ParallelModule:
     """Plan and apply in one call, inside a process group.
 
-    ``cluster=None`` plans for the current world: one ``cpu`` device per rank. Rank 0 plans
+    ``cluster=None`` plans for the current world (autopar.planning.world): one ``cpu`` device
+    per rank, or on GPUs (NCCL, or the model's weights on CUDA) the catalog's entry for the GPU
+    ``torch.cuda.get_device_name`` reports, ``LOCAL_WORLD_SIZE`` ranks per host. Inputs and
+    targets given on another device (a CPU batch) are moved to the rank's device. Rank 0 plans
     and broadcasts the plan, so every rank runs the same one. Options are :func:`plan`'s.
     """
     from autopar.planning import ModelGraphs, PlanOptions, Precision, choose, lower_plan
+    from autopar.planning.world import world_cluster
 
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(ErrorKind.WORLD_MISMATCH,
                            "parallelize() runs inside a process group (torchrun, or dist.init_process_group); "
                            "to plan without one use autopar.plan(...)")
-    target = Cluster.from_spec(cluster or f"{dist.get_world_size()}xcpu", options.pop("memory_limit", None))
+    target = Cluster.from_spec(cluster or world_cluster(model), options.pop("memory_limit", None))
     options = PlanOptions(**{**options, "mixed_precision": Precision.of(options.get("mixed_precision"))})
     graphs = ModelGraphs(model, example_inputs, options.sparsity, options.compute_dtype)
     payload = [None]

@@ -158,9 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(run=cmd_devices)
 
-    r = command("profile", "measure this machine (matmul, memory bandwidth, gloo collectives) into a cluster file")
+    r = command("profile", "measure this machine (matmul, memory bandwidth, collectives) into a cluster file")
     r.add_argument("--out", default="cpu.yaml", help="cluster file to write (atomically)")
-    r.add_argument("--world", type=int, default=2, help="processes (devices) the file describes")
+    r.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="what to measure: this host's GPUs (their kernels, NCCL between them) or its CPU "
+                        "(processes over gloo); auto: the GPUs where torch sees any")
+    r.add_argument("--world", type=int, default=None,
+                   help="devices the file describes (CPU: processes, default 2; GPU: default every GPU of the host)")
     r.add_argument("--quick", action="store_true", help="smaller and fewer measurements (a few seconds)")
     r.set_defaults(run=cmd_profile)
 

@@ -299,20 +299,36 @@ def cmd_devices(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from autopar.profile import write_profile
+    import torch
 
-    if args.world < 1:
-        raise UsageError(f"--world must be at least 1, got {args.world}")
-    most = 4 * (os.cpu_count() or 1)
-    if args.world > most:
-        raise UsageError(f"--world {args.world} is more processes than this machine can measure apart ({most}: 4 per "
-                         "CPU); profile a few and describe the rest in the cluster file (docs/clusters.md)")
+    gpu = args.device == "gpu" or (args.device == "auto" and torch.cuda.is_available())
+    if gpu and not torch.cuda.is_available():
+        raise UsageError("--device gpu: torch sees no GPU here (torch.cuda.is_available() is False); a CUDA build of "
+                         "torch and a visible GPU are needed, or profile the CPU with --device cpu")
+    most = torch.cuda.device_count() if gpu else 4 * (os.cpu_count() or 1)
+    world = args.world if args.world is not None else (most if gpu else 2)
+    if world < 1:
+        raise UsageError(f"--world must be at least 1, got {world}")
+    if world > most:
+        what = (f"GPUs than this host has ({most})" if gpu
+                else f"processes than this machine can measure apart ({most}: 4 per CPU)")
+        raise UsageError(f"--world {world} is more {what}; profile a few and describe the rest in the cluster file "
+                         "(docs/clusters.md)")
     _writable_output(args.out)
-    content = write_profile(args.out, args.world, args.quick)
+    if gpu:
+        from autopar.profile_gpu import write_gpu_profile
+
+        content = write_gpu_profile(args.out, world, args.quick)
+    else:
+        from autopar.profile import write_profile
+
+        content = write_profile(args.out, world, args.quick)
     name, device = next(iter(content["devices"].items()))
-    print(f"wrote {args.out}: {args.world}x{name}: fp32 {device['peak_TFLOPS']['fp32'] * 1e3:.1f} GFLOP/s, "
-          f"bf16 {device['peak_TFLOPS']['bf16'] * 1e3:.1f} GFLOP/s, memory {device['memory_bandwidth_GBps']} GB/s, "
-          f"link {device['intra_node']['bandwidth_GBps']} GB/s + {device['intra_node']['latency_us']} us")
+    scale, unit = (1, "TFLOP/s") if gpu else (1e3, "GFLOP/s")
+    link = device.get("intra_node", {})
+    print(f"wrote {args.out}: {world}x{name}: fp32 {device['peak_TFLOPS']['fp32'] * scale:.1f} {unit}, "
+          f"bf16 {device['peak_TFLOPS']['bf16'] * scale:.1f} {unit}, memory {device['memory_bandwidth_GBps']} GB/s, "
+          f"link {link.get('bandwidth_GBps', '-')} GB/s + {link.get('latency_us', '-')} us")
     return 0
 
 

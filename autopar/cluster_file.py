@@ -180,7 +180,7 @@ def _custom_devices(section, where) -> dict[str, DeviceSpec]:
 
     Figures are what kernels reach (efficiency 1 unless ``compute_efficiency`` says otherwise);
     ``op_overhead_us`` is a fixed time per executed op; ``op_class_efficiency`` maps op classes
-    (matmul, conv, pool, reduction, elementwise) to the fraction of the roofline they reach;
+    (matmul, attention, conv, pool, reduction, elementwise) to the fraction of the roofline they reach;
     ``overlap_efficiency`` (0–1, default 0.9 as the catalog's GPUs) is the fraction of overlappable communication the
     device hides behind compute, ``collective_overlap`` the same per collective kind (all_gather,
     reduce_scatter, all_reduce; −1 to 1, below 0 where overlapping slows the compute more than it

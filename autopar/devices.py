@@ -17,8 +17,9 @@ from autopar.errors import AutoparError, ErrorKind
 GB = 10**9
 GiB = 2**30
 TFLOPS = 10**12
-# op classes whose kernels reach different fractions of the roofline (passes.cost.op_class)
-OP_CLASSES = ("matmul", "conv", "pool", "reduction", "elementwise")
+# op classes whose kernels reach different fractions of the roofline (passes.cost.op_class;
+# "attention": the fused kernel, FLOPs as passes.cost.attention_flops counts them)
+OP_CLASSES = ("matmul", "attention", "conv", "pool", "reduction", "elementwise")
 # collective kinds whose library implementation may fall short of autopar.comm's formulas
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # collective kinds the overlap model runs beside compute: prefetched weight gathers, gradient reductions
@@ -258,3 +259,37 @@ def check_device_count(devices: int, source: str) -> None:
         raise AutoparError(ErrorKind.BAD_CLUSTER,
                            f"{source} has {devices:,} devices; autopar plans clusters of at most {MAX_DEVICES:,} "
                            "devices: check the host and device counts")
+
+
+# what torch.cuda.get_device_name reports -> catalog name, first match wins (case-insensitive
+# substrings, each tuple all present): "NVIDIA H100 80GB HBM3" is the SXM part, "NVIDIA H100 PCIe"
+# the PCIe one; the A100s by memory ("NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB")
+_GPU_NAMES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("h100", "pcie"), "H100-PCIe"),
+    (("h100", "nvl"), "H100-PCIe"),  # a PCIe card (with an NVLink bridge between pairs)
+    (("h100",), "H100-SXM"),
+    (("h200",), "H200"),
+    (("b200",), "B200"),
+    (("a100", "80g"), "A100-80GB"),
+    (("a100",), "A100-40GB"),
+    (("v100",), "V100-32GB"),
+    (("a10g",), "A10G"),
+    (("l4",), "L4"),
+    (("t4",), "T4"),
+    (("mi300x",), "MI300X"),
+    (("mi250x",), "MI250X"),
+)
+
+
+def device_for_gpu_name(gpu_name: str) -> DeviceSpec | None:
+    """The catalog entry of a GPU as ``torch.cuda.get_device_name`` names it (``"NVIDIA H100
+    80GB HBM3"`` → H100-SXM), or None for a GPU the catalog does not hold.
+
+    >>> device_for_gpu_name("NVIDIA A100-SXM4-40GB").name
+    'A100-40GB'
+    """
+    words = gpu_name.lower()
+    for parts, name in _GPU_NAMES:
+        if all(part in words for part in parts) and not (parts == ("l4",) and "l40" in words):
+            return _BY_NAME[name.lower()]
+    return None

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 class ParallelModule(nn.Module):
     def __init__(self, module: torch.fx.GraphModule, plan: Plan, loss_fn: Callable | None = None,
-                 runtime=None, relowering=None, pieces: list[torch.fx.GraphModule] | None = None) -> None:
+                 runtime=None, relowering=None, pieces: list[torch.fx.GraphModule] | None = None,
+                 device: torch.device | None = None) -> None:
         super().__init__()
         # share the lowered module's children, parameters and buffers so names stay the model's
         self._modules = module._modules
@@ -46,6 +47,9 @@ class ParallelModule(nn.Module):
         self.lowered = list(pieces) if pieces else [module]
         self.plan = plan
         self.loss_fn = loss_fn
+        # where this rank's tensors live (its meshes' device): inputs and targets given
+        # elsewhere (a CPU batch, a CUDA model) are moved here before they are used
+        self.device = torch.device("cpu") if device is None else device
         # how a plan over several device groups runs a step: passes.pipeline_lower.PipelineRuntime
         # (stages) or passes.replica_lower.ReplicaRuntime (data-parallel replicas); None: one mesh
         self.runtime = runtime
@@ -94,6 +98,7 @@ class ParallelModule(nn.Module):
                                "any batch that divides over their devices)")
 
     def forward(self, *inputs):
+        inputs = on_device(inputs, self.device)
         if self.runtime is None:
             return tree_map(to_full, self._lowered_for(inputs)(*inputs))
         self._check_runtime_shapes(inputs)
@@ -112,6 +117,7 @@ class ParallelModule(nn.Module):
             raise AutoparError(ErrorKind.BAD_INPUT,
                                "step() needs a loss function: pass loss_fn=fn (fn(output, target) -> scalar) to "
                                "autopar.parallelize(...) or autopar.apply(...)")
+        inputs, target = on_device((inputs, target), self.device)
         if self.runtime is not None:
             self._check_runtime_shapes(inputs)
             return self.runtime.train_step(inputs, target)
@@ -131,3 +137,12 @@ class ParallelModule(nn.Module):
         loss = self.loss_fn(tree_map(to_full, outputs), target)
         loss.backward()
         return loss.detach()
+
+
+def on_device(values, device: torch.device):
+    """``values`` (tensors in any nesting) with every tensor on ``device``: moved where it is
+    elsewhere (onto a GPU asynchronously: a copy off one must complete before it is read),
+    itself where it is there already."""
+    ahead = device.type == "cuda"
+    return tree_map(lambda v: v.to(device, non_blocking=ahead) if isinstance(v, torch.Tensor) and v.device != device
+                    else v, values)

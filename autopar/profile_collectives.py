@@ -82,26 +82,32 @@ def _overlap_trial(kind: str, nbytes: int, repeats: int) -> float:
 
     with warnings.catch_warnings():  # the *_tensor names are the ones every torch release has
         warnings.simplefilter("ignore", FutureWarning)
-        alone_s = median_time(collective, repeats, before=dist.barrier)
-        matmul_s = median_time(lambda: a @ a, repeats)
-        count = max(1, round(alone_s / matmul_s))
-        counts = torch.tensor([count])
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the same work on every rank
-        count = int(counts)
+        return hidden_fraction(collective, lambda: a @ a, lambda fn: median_time(fn, repeats, before=dist.barrier),
+                               torch.device("cpu"))
 
-        def compute():
-            for _ in range(count):
-                a @ a
 
-        def both():
-            work = collective(async_op=True)
-            compute()
-            work.wait()
+def hidden_fraction(collective, matmul, timed, device: torch.device) -> float:
+    """How much of ``collective`` (called as ``collective(async_op=...)``) hides behind as many
+    ``matmul()`` calls as take about as long, issued while it runs:
+    (t_compute + t_collective − t_both) / min(t_compute, t_collective), clipped to [−1, 1].
+    ``timed(fn)``: seconds of one call of ``fn``; ``device``: where the group's collectives
+    take tensors (every rank agrees on the matmul count through one all-reduce)."""
+    alone_s = timed(collective)
+    counts = torch.tensor([max(1, round(alone_s / timed(matmul)))], device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)  # the same work on every rank
+    count = int(counts)
 
-        compute_s = median_time(compute, repeats, before=dist.barrier)
-        both_s = median_time(both, repeats, before=dist.barrier)
-    hidden = compute_s + alone_s - both_s
-    return min(1.0, max(-1.0, hidden / min(compute_s, alone_s)))
+    def compute():
+        for _ in range(count):
+            matmul()
+
+    def both():
+        work = collective(async_op=True)
+        compute()
+        work.wait()
+
+    compute_s, both_s = timed(compute), timed(both)
+    return min(1.0, max(-1.0, (compute_s + alone_s - both_s) / min(compute_s, alone_s)))
 
 
 def overlap_entries(overlap: dict[str, float]) -> dict:

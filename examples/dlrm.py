@@ -45,7 +45,7 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         features = torch.stack([x] + [emb(ids) for emb, ids in zip(self.embeddings, sparse)], dim=1)
         scores = torch.bmm(features, features.transpose(1, 2))  # (B, T+1, T+1)
-        i, j = torch.triu_indices(features.shape[1], features.shape[1], offset=1)
+        i, j = torch.triu_indices(features.shape[1], features.shape[1], offset=1, device=x.device)
         return self.top(torch.cat([x, scores[:, i, j]], dim=1))
 
 

@@ -212,7 +212,7 @@ def _rows_independent(graph, dispatch: Dispatch, values: dict[str, torch.Tensor]
     if any(v is None for v in [*inputs, ids, *weights]):
         return True
     module = segment_module(graph, dispatch)
-    flip = torch.arange(dispatch.rows - 1, -1, -1)
+    flip = torch.arange(dispatch.rows - 1, -1, -1, device=ids.device)
     with torch.no_grad():
         outs = module(*inputs, *[ids] * len(weights), *weights)
         flipped = module(*[x[flip] if r else x for x, r in zip(inputs, dispatch.row_inputs)],

@@ -98,11 +98,25 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
+    _buffer_updates(gm)
     if overlap:
         prefetch_gathers(gm.graph, set(plan.recompute), plan.options.get("prefetch_layers", 1))
     gm.recompile()
     if any(n.op == "call_method" and n.target == "gather" for n in gm.graph.nodes):
         install(gm, gathers)
+
+
+def _buffer_updates(gm: torch.fx.GraphModule) -> None:
+    """The buffers a training forward updates (batch norm's running statistics) are written
+    back at its end — ``copy_`` nodes torch.export's module adds — through
+    ``runtime.update_buffer``, which does not bump the version autograd checks: the op that read
+    a buffer may have saved it for backward (batch norm saves its running statistics)."""
+    buffers = {name for name, _ in gm.named_buffers()}
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"
+                and node.args[0].target in buffers):
+            node.target = runtime.update_buffer
 
 
 def _relabel_experts(gm: torch.fx.GraphModule, plan: Plan) -> None:

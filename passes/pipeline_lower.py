@@ -49,7 +49,7 @@ class PipelineRuntime:
     def __init__(self, modules: dict[int, torch.fx.GraphModule], plan: Plan, lane: dist.ProcessGroup,
                  lane_ranks: list[int], examples: dict[int, tuple[tuple, tuple]], loss_fn: Callable | None,
                  device: torch.device) -> None:
-        self.modules, self.lane, self.num_stages = modules, lane, len(plan.stages)
+        self.modules, self.lane, self.num_stages, self.device = modules, lane, len(plan.stages), device
         self.last_rank = lane_ranks[-1]  # the lane's rank in the group of the last stage
         stages = [PipelineStage(module, g, self.num_stages, device, input_args=examples[g][0],
                                 output_args=examples[g][1], group=lane) for g, module in modules.items()]
@@ -83,7 +83,8 @@ class PipelineRuntime:
         sync_grads([param for module in self.modules.values() for param in module.parameters()
                     if param.grad is not None])
         # in float32 on every rank: the loss may be bf16 (mixed precision), the receivers' buffer must match
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last else torch.zeros(())
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last \
+            else torch.zeros((), device=self.device)
         dist.broadcast(loss, src=self.last_rank, group=self.lane)
         return loss
 
@@ -130,14 +131,16 @@ class PipelineRuntime:
 
 
 def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Callable | None,
-                   device_type: str) -> tuple[list[torch.fx.GraphModule], PipelineRuntime]:
+                   device: torch.device) -> tuple[list[torch.fx.GraphModule], PipelineRuntime]:
     """This rank's stages lowered (one per chunk it holds, in model order), and the runtime
     that schedules them. Chunk ``g`` runs on group ``chunk_group(g, p, schedule)`` (``p``
-    groups: ``g mod p``, or ZBV's V)."""
+    groups: ``g mod p``, or ZBV's V). ``device``: where this rank's tensors live (its meshes'
+    device type; the examples the stages are built with, the loss it broadcasts)."""
     p = len(plan.stages) // plan.virtual_stages
+    device_type = device.type
     meshes, groups, r, k = group_meshes(plan.stages[:p], device_type)
     meshes += [stage_mesh(st, device_type) for st in plan.stages[p:]]  # chunks may pick other meshes
-    lane_meshes = [DeviceMesh(device_type, torch.tensor(st.ranks)) for st in plan.stages[:p]]
+    lane_meshes = [DeviceMesh(device_type, torch.tensor(st.ranks, device="cpu")) for st in plan.stages[:p]]
     owner_meshes = owner_submeshes(plan, meshes)
 
     gm = captured.program.module()
@@ -148,23 +151,23 @@ def lower_pipeline(captured: Captured, plan: Plan, model: nn.Module, loss_fn: Ca
     modules, examples = {}, {}
     for g in (g for g in range(len(plan.stages)) if chunk_group(g, p, plan.schedule) == r):
         modules[g], examples[g] = _lower_stage(gm, pieces[g].graph, g, plan, meshes[g], owner_meshes[g],
-                                               lane_meshes[r], model, captured)
+                                               lane_meshes[r], model, captured, device)
     runtime = PipelineRuntime(modules, plan, groups[k], [st.ranks[k] for st in plan.stages], examples, loss_fn,
-                              torch.device(device_type))
+                              device)
     return list(modules.values()), runtime
 
 
 def _lower_stage(gm: torch.fx.GraphModule, graph: torch.fx.Graph, g: int, plan: Plan, mesh: DeviceMesh,
-                 owner_meshes: dict, lane_mesh: DeviceMesh, model: nn.Module, captured: Captured
-                 ) -> tuple[torch.fx.GraphModule, tuple[tuple, object]]:
+                 owner_meshes: dict, lane_mesh: DeviceMesh, model: nn.Module, captured: Captured,
+                 device: torch.device) -> tuple[torch.fx.GraphModule, tuple[tuple, object]]:
     """Stage ``g``'s piece of the graph lowered onto its mesh, with its example inputs and
-    outputs (one lane's slice of each boundary tensor)."""
+    outputs (one lane's slice of each boundary tensor) on ``device``."""
     module = torch.fx.GraphModule(gm, graph)
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
     names = [spec.name for spec in plan.inputs] if g == 0 else [n.name for n in placeholders]
-    examples = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype)) for spec in plan.inputs) if g == 0 \
-        else tuple(_zeros(n) for n in placeholders)
-    outputs = tuple(_zeros(n) for n in module.graph.output_node().all_input_nodes)
+    examples = tuple(torch.zeros(spec.shape, dtype=getattr(torch, spec.dtype), device=device)
+                     for spec in plan.inputs) if g == 0 else tuple(_zeros(n, device) for n in placeholders)
+    outputs = tuple(_zeros(n, device) for n in module.graph.output_node().all_input_nodes)
     lower_module(module, names, plan, mesh, model, captured, sync_on_accumulate=False, owner_meshes=owner_meshes)
     recomputed = {layer: mode for layer, mode in plan.recompute.items() if layer in plan.stages[g].layers}
     if recomputed:  # torch.utils.checkpoint around each of the stage's layers (passes.recompute)
@@ -239,10 +242,10 @@ def _sliced(t: torch.Tensor, lanes: int) -> torch.Tensor:
     return t.detach().narrow(dim, 0, t.shape[dim] // lanes).clone().requires_grad_(t.requires_grad)
 
 
-def _zeros(node: torch.fx.Node) -> torch.Tensor:
-    """An example of a boundary value; floating ones carry gradients between stages."""
+def _zeros(node: torch.fx.Node, device: torch.device) -> torch.Tensor:
+    """An example of a boundary value on ``device``; floating ones carry gradients between stages."""
     val = node.meta["val"]
-    return torch.zeros(val.shape, dtype=val.dtype, requires_grad=val.dtype.is_floating_point)
+    return torch.zeros(val.shape, dtype=val.dtype, device=device, requires_grad=val.dtype.is_floating_point)
 
 
 def merged_module(modules: list[torch.fx.GraphModule]) -> nn.Module:

@@ -184,7 +184,7 @@ def _shards_from_meta(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mo
 def stage_mesh(group, device_type: str) -> DeviceMesh:
     """The DeviceMesh of one device group of a plan (a ``StagePlan`` or ``ReplicaPlan``):
     its ranks in its mesh shape (collective: every rank builds it)."""
-    return DeviceMesh(device_type, torch.tensor(group.ranks).reshape(group.mesh_shape),
+    return DeviceMesh(device_type, torch.tensor(group.ranks, device="cpu").reshape(group.mesh_shape),
                       mesh_dim_names=group.mesh_dim_names)
 
 

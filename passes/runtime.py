@@ -79,13 +79,16 @@ def redistribute(x: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
     backward = reduce_dtype or (forward if to_partial else x.dtype)
     options = {"op_dtype": forward, "out_dtype": forward,
                "backward_options": {"op_dtype": backward, "out_dtype": x.dtype}}
-    function = _GatherNowReduceLater if async_op and mesh.device_type == "cpu" else Redistribute
+    # gloo's in-flight all-gathers are not safe (below), on CPU tensors or CUDA ones alike
+    gloo = mesh.device_type == "cpu" or dist.get_backend() == "gloo"
+    function = _GatherNowReduceLater if async_op and gloo else Redistribute
     return function.apply(x, mesh, target, async_op, options)
 
 
 class _GatherNowReduceLater(Redistribute):
     """DTensor's redistribute whose forward waits for its collective and whose backward's does
-    not: how an asynchronous weight gather runs on CPU meshes. Gloo's all-gather, issued through
+    not: how an asynchronous weight gather runs under gloo (CPU meshes, or CUDA tensors over
+gloo). Gloo's all-gather, issued through
     functional collectives and left in flight, corrupts the heap now and then (``malloc():
     unaligned tcache chunk``, or a segfault in the next op that reads it — 3 of ~30 stress runs
     of 4 ranks × 600 rounds × 8 gathers in flight, and once in CI's test_any_batch); waited for
@@ -114,6 +117,20 @@ def replicate_constant(x, mesh):
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return x
+
+
+def update_buffer(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``buffer.copy_(value)`` at the end of a training forward (a buffer it updated: batch
+    norm's running statistics) without bumping the version autograd checks. The op that read
+    the buffer may have saved it for backward — batch norm saves its running statistics, and its
+    training-mode backward does not read them — and eager batch norm updates them in place
+    inside that same op, after which they are saved; written here afterwards, a plain
+    ``copy_`` failed the check in backward (the ResNet of examples/cnn.py, once the solver had
+    planned some batch norms on other placements than their statistics). ``.data`` shares
+    the storage under a version counter of its own."""
+    with torch.no_grad():
+        buffer.data.copy_(value)
+    return buffer
 
 
 def to_full(x):

@@ -189,7 +189,7 @@ def _bag_starts(lookup: torch.fx.Node, values: dict) -> torch.Tensor | None:
     if offsets is None:
         return None
     starts = offsets[:bag.bags].to(torch.long)
-    return torch.cat([starts, torch.tensor([lookup.args[1].meta["val"].shape[0]])])
+    return torch.cat([starts, torch.tensor([lookup.args[1].meta["val"].shape[0]], device=starts.device)])
 
 
 def _split_dims(strategy: Strategy) -> list[tuple[int, int]]:

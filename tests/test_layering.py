@@ -65,7 +65,7 @@ LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_
                                             "runtime", "attention_runtime", "expert_runtime", "bag_runtime", "bag_lower", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe", "place_state", "row_order_checkpoint")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "cli_commands", "model_files",
-                                                "report", "plan_diff", "html_report", "profile", "profile_collectives", "timeline",
+                                                "report", "plan_diff", "html_report", "profile", "profile_collectives", "profile_gpu", "timeline",
                                                 "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.expert_runtime",
            "autopar.passes.bag_runtime", "autopar.passes.reshard",

@@ -211,7 +211,7 @@ def _program_bytes(captured: Captured) -> bytes:
 
 def _stand_in(value: torch.Tensor) -> torch.Tensor:
     """A tensor of ``value``'s shape and dtype on one element of CPU storage."""
-    stand_in = torch.zeros((), dtype=value.dtype).expand(value.shape)
+    stand_in = torch.zeros((), dtype=value.dtype, device="cpu").expand(value.shape)  # a file holds no device
     return torch.nn.Parameter(stand_in, requires_grad=value.requires_grad) \
         if isinstance(value, torch.nn.Parameter) else stand_in
 

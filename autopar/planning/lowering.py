@@ -1,20 +1,14 @@
-"""What every family's ``lower`` needs: the process group's device type, and the model's
-graph at the plan's input shapes when the caller has none."""
+"""What every family's ``lower`` needs besides the device (autopar.planning.world): the
+model's graph at the plan's input shapes when the caller has none."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autopar.plan import Plan
 from autopar.passes.capture import Captured, capture, compute_dtype_of
 from autopar.passes.materialize import on_meta
-
-
-def device_type() -> str:
-    """The device the process group's collectives run on."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 def capture_for(model: nn.Module, plan: Plan) -> Captured:

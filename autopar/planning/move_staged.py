@@ -40,6 +40,7 @@ def move_through_broadcast(old: nn.Module, new: nn.Module, model: nn.Module,
     for rank, (names, _) in enumerate(everyone):
         for name in names:
             holder.setdefault(name, rank)
+    device = getattr(new, "device", torch.device("cpu"))  # where the new program's tensors live
     states = {}
     for _, rank_facts in everyone:
         for name, fact in rank_facts["state"].items():
@@ -51,18 +52,21 @@ def move_through_broadcast(old: nn.Module, new: nn.Module, model: nn.Module,
                     continue  # a buffer the running program folded into its graph: the new one has its own
                 raise AutoparError(ErrorKind.BAD_PLAN, f"no rank holds {name} under the running plan: was it "
                                    "lowered from this model?")
-            whole = _broadcast_whole(held.get(name), shape, dtype, holder[name])
+            whole = _broadcast_whole(held.get(name), shape, dtype, holder[name], device)
             if name in targets:
                 assign_local(targets[name], local_slice(whole, targets[name]))
     if optimizer is None:
         return None
-    return _moved_optimizer(optimizer, old, new, shapes, holder, states, everyone)
+    return _moved_optimizer(optimizer, old, new, shapes, holder, states, everyone, device)
 
 
-def _broadcast_whole(value: torch.Tensor | None, shape: tuple, dtype: torch.dtype, source: int) -> torch.Tensor:
-    """The whole ``value`` on every rank: gathered within the holders' mesh, sent from ``source``."""
+def _broadcast_whole(value: torch.Tensor | None, shape: tuple, dtype: torch.dtype, source: int,
+                     device: torch.device) -> torch.Tensor:
+    """The whole ``value`` on every rank, on ``device``: gathered within the holders' mesh, sent
+    from ``source``."""
     whole = full_value(value) if value is not None else None  # collective over the holders' mesh
-    buffer = whole.detach().clone() if dist.get_rank() == source else torch.empty(shape, dtype=dtype)
+    buffer = whole.detach().to(device, copy=True) if dist.get_rank() == source \
+        else torch.empty(shape, dtype=dtype, device=device)
     dist.broadcast(buffer, src=source)
     return buffer
 
@@ -89,9 +93,9 @@ def _optimizer_facts(optimizer: torch.optim.Optimizer | None, old: nn.Module) ->
 
 
 def _moved_optimizer(optimizer, old: nn.Module, new: nn.Module, shapes: dict, holder: dict, states: dict,
-                     everyone: list) -> torch.optim.Optimizer:
+                     everyone: list, device: torch.device) -> torch.optim.Optimizer:
     """``optimizer``'s class over this rank's new parameters, grouped and set as the holder of
-    each had them, its state moved one tensor at a time."""
+    each had them, its state moved one tensor at a time (through ``device``)."""
     settings = {}
     for _, rank_facts in everyone:
         for name, group in rank_facts["groups"].items():
@@ -112,13 +116,14 @@ def _moved_optimizer(optimizer, old: nn.Module, new: nn.Module, shapes: dict, ho
                 if kind == "value":
                     value, dtype = rest
                     if name in mine and name in settings:
-                        entry = torch.tensor(value, dtype=dtype) if dtype is not None else value
+                        # a step count: torch's optimizers keep it on the CPU (not capturable nor fused)
+                        entry = torch.tensor(value, dtype=dtype, device="cpu") if dtype is not None else value
                         switched.state[mine[name]][key] = entry
                     continue
                 shape, dtype = rest
                 ours = old_params.get(name)
                 value = optimizer.state[ours][key] if ours is not None and ours in optimizer.state else None
-                whole = _broadcast_whole(value, shape, dtype, holder[name])
+                whole = _broadcast_whole(value, shape, dtype, holder[name], device)
                 if name in mine and name in settings:
                     switched.state[mine[name]][key] = state_like(local_slice(whole, mine[name]), mine[name])
     return switched

@@ -99,12 +99,15 @@ class OneMesh:
         from autopar.parallel import ParallelModule
         from autopar.passes.lower import lower
         from autopar.passes.relower import Relowering
-        from autopar.planning.lowering import capture_for, device_type
+        from autopar.planning.lowering import capture_for
+        from autopar.planning.world import device_type, runtime_device
 
-        mesh = init_device_mesh(device_type(), plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
+        kind = device_type(model)
+        mesh = init_device_mesh(kind, plan.mesh_shape, mesh_dim_names=plan.mesh_dim_names)
         captured = captured or capture_for(model, plan)
         relowering = Relowering(plan, mesh, model, captured)  # before lowering: the model as given
-        return ParallelModule(lower(captured, plan, mesh, model), plan, loss_fn, relowering=relowering)
+        return ParallelModule(lower(captured, plan, mesh, model), plan, loss_fn, relowering=relowering,
+                              device=runtime_device(kind))
 
 
 def mesh_search(graphs, cluster: Cluster, options: PlanOptions) -> "MeshSearch":

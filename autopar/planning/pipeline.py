@@ -161,11 +161,13 @@ class PipelineStages:
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from autopar.parallel import ParallelModule
         from autopar.passes.pipeline_lower import lower_pipeline, merged_module
-        from autopar.planning.lowering import capture_for, device_type
+        from autopar.planning.lowering import capture_for
+        from autopar.planning.world import device_type, runtime_device
 
         # the plan's inputs are one micro-batch: a graph of the whole batch does not serve
-        modules, runtime = lower_pipeline(capture_for(model, plan), plan, model, loss_fn, device_type())
-        return ParallelModule(merged_module(modules), plan, loss_fn, runtime, pieces=modules)
+        device = runtime_device(device_type(model))
+        modules, runtime = lower_pipeline(capture_for(model, plan), plan, model, loss_fn, device)
+        return ParallelModule(merged_module(modules), plan, loss_fn, runtime, pieces=modules, device=device)
 
 
 def _stages_recompute(plan: Plan) -> str:

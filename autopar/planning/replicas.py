@@ -132,11 +132,12 @@ class ReplicaGroups:
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from autopar.parallel import ParallelModule
         from autopar.passes.replica_lower import lower_replicas
-        from autopar.planning.lowering import device_type
+        from autopar.planning.world import device_type, runtime_device
 
         # each group captures the model at its own share of the batch (the plan's replicas)
-        module, runtime = lower_replicas(model, plan, loss_fn, device_type())
-        return ParallelModule(module, plan, loss_fn, runtime)
+        kind = device_type(model)
+        module, runtime = lower_replicas(model, plan, loss_fn, kind)
+        return ParallelModule(module, plan, loss_fn, runtime, device=runtime_device(kind))
 
 
 def _gradient_sync(cluster: Cluster, groups, plan: Plan, captures: list) -> tuple[float, dict[str, dict]]:

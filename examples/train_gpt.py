@@ -7,9 +7,10 @@
 
 The data is a synthetic language (each sequence counts up from a random start modulo the
 vocabulary), so the loss falls fast and visibly. Without --plan, rank 0 plans for the
-current world (one `cpu` device per rank, or --cluster) and broadcasts the plan. The loop is
-the same for every plan: ``pmodel.step`` runs forward and backward (over micro-batches when
-the plan has pipeline stages) and returns the loss on every rank.
+current world (one `cpu` device per rank, the GPUs the ranks run on, or --cluster) and
+broadcasts the plan. The loop is the same for every plan: ``pmodel.step`` runs forward and
+backward (over micro-batches when the plan has pipeline stages) and returns the loss on every
+rank; the batches are made on the CPU and ``pmodel`` moves them to the rank's device.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
 
+    if torch.cuda.is_available():  # one GPU per rank: torchrun's LOCAL_RANK picks it
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)
     model, _ = build(layers=2, d=64, heads=4, vocab=args.vocab, seq=args.seq, batch=args.batch, device="cpu")

@@ -167,11 +167,12 @@ def build_problem(captured: Captured, mesh: MeshSpec, device: DeviceSpec, memory
             if node.name in tables:  # a table may live whole on one device of a dim (table-wise)
                 options += [Strategy((p,), ()) for p in owned_table_options(mesh.shape)]
             if kind == "param":
-                if zero:  # ZeRO-2: used as placed, master, gradient and states split further
+                trainable = node.name not in captured.frozen
+                if zero and trainable:  # ZeRO-2: used as placed, master, gradient and states split further
                     options += zero_twins(options, val, mesh.shape)
                 whole = tables_whole and node.name in tables
                 held = [parameter_bytes(val, s, mesh.shape, states, captured.master_itemsize.get(node.name),
-                                        1 if whole and pl.O in s.outputs[0] else None) for s in options]
+                                        1 if whole and pl.O in s.outputs[0] else None, trainable) for s in options]
                 parameter_memory[len(names)] = held
                 mem = [h.total for h in held]
             else:
@@ -428,7 +429,7 @@ def _parameter_views(graph: torch.fx.Graph, captured: Captured) -> set[str]:
 
 def gradient_path(graph: torch.fx.Graph, captured: Captured) -> set[str]:
     """Nodes whose floating-point output depends on a parameter (they get a backward)."""
-    on_path = set(captured.parameter_of) | set(captured.grad_inputs)
+    on_path = (set(captured.parameter_of) - captured.frozen) | set(captured.grad_inputs)
     for node in graph.nodes:
         if node.op == "call_function" and any(a.name in on_path for a in node.all_input_nodes):
             vals = [v for v in output_vals(node) if isinstance(v, torch.Tensor)]

@@ -66,6 +66,9 @@ class Captured:
     # placeholders hold the compute dtype); empty when the model computes in its own dtypes
     master_itemsize: dict[str, int] = dataclasses.field(default_factory=dict)
     compute_dtype: torch.dtype | None = None  # the policy's, when captured under one
+    # parameter placeholders of frozen parameters (``requires_grad=False``: fine-tuning part of
+    # a model): no gradient, no optimizer state, nothing to reduce
+    frozen: frozenset[str] = frozenset()
 
     @property
     def tied(self) -> dict[str, str]:
@@ -214,6 +217,8 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
     captured.master_itemsize = {name: master_itemsize[fqn] for name, fqn in captured.parameter_of.items()
                                 if fqn in master_itemsize}
     captured.compute_dtype = compute_dtype
+    requires = {fqn: p.requires_grad for fqn, p in model.named_parameters(remove_duplicate=False)}
+    captured.frozen = frozenset(name for name, fqn in captured.parameter_of.items() if not requires.get(fqn, True))
     log.info("captured %s: %d nodes", type(model).__name__, len(program.graph.nodes))
     return captured
 

@@ -40,18 +40,21 @@ class ParameterBytes:
 
 
 def parameter_bytes(val: torch.Tensor, strategy: Strategy, mesh_shape: tuple[int, ...], states: int,
-                    master_itemsize: int | None, stored_divisor: int | None = None) -> ParameterBytes:
+                    master_itemsize: int | None, stored_divisor: int | None = None,
+                    trainable: bool = True) -> ParameterBytes:
     """``master_itemsize``: bytes per element of the fp32 master under mixed precision, else
     None. ``stored_divisor`` overrides how many devices the master, gradient and states are
-    divided over (a table-wise bound counts tables whole)."""
+    divided over (a table-wise bound counts tables whole). A frozen parameter (not
+    ``trainable``) has no gradient and no optimizer state."""
     used = pl.divided_over(strategy.outputs[0], mesh_shape)
     stored = stored_divisor or pl.divided_over(strategy.stored, mesh_shape)
+    keep = 1 if trainable else 0
     if master_itemsize:
         master = val.numel() * master_itemsize // stored
-        return ParameterBytes(master, master, states * master, tensor_bytes(val) // used)
+        return ParameterBytes(master, keep * master, keep * states * master, tensor_bytes(val) // used)
     own = tensor_bytes(val) // stored
     working = tensor_bytes(val) // used if strategy.state is not None else 0
-    return ParameterBytes(own, own, states * own, working)
+    return ParameterBytes(own, keep * own, keep * states * own, working)
 
 
 def zero_twins(options: list[Strategy], val: torch.Tensor, mesh_shape: tuple[int, ...]) -> list[Strategy]:

@@ -75,7 +75,7 @@ def distribute_state(gm: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, mod
             setattr(param, runtime.ROW_ORDER_ATTR, placer.row_orders[fqn])
         for name in alias_of.get(fqn, [fqn]):
             setattr(*_owner(gm, name), param)
-        if sync_on_accumulate:
+        if sync_on_accumulate and param.requires_grad:  # a frozen parameter has no gradient to sync
             param.register_post_accumulate_grad_hook(gradient_sync)
     lowered_buffers = {name: b for name, b in model.named_buffers() if isinstance(b, DTensor)}
     for name, value in list(gm.named_buffers()):

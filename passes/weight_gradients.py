@@ -32,7 +32,7 @@ def weight_gradient_flops(captured: Captured) -> dict[str, tuple[float, float]]:
     FLOPs of its ops on the gradient path)."""
     graph = captured.graph
     on_path = gradient_path(graph, captured)
-    weights = set(captured.parameter_of)
+    weights = set(captured.parameter_of) - captured.frozen  # a frozen weight gets no gradient
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     seen_layer = False
     for node in graph.nodes:

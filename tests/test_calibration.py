@@ -75,7 +75,7 @@ def test_cluster_file_carries_measured_efficiencies(tmp_path):
     assert cluster.intra_link.efficiency("reduce_scatter") == 0.4
     assert cluster.intra_link.latency_s == pytest.approx(300e-6)
     path.write_text(path.read_text().replace("conv: 0.5", "convolutions: 0.5"))
-    with pytest.raises(autopar.AutoparError, match=r"c.yaml:6: unknown kind 'convolutions'.*matmul, conv"):
+    with pytest.raises(autopar.AutoparError, match=r"c.yaml:6: unknown kind 'convolutions'.*matmul, attention, conv"):
         Cluster.from_spec(str(path))
 
 

@@ -71,7 +71,7 @@ def save_graphs(graphs: ModelGraphs, path: str | os.PathLike) -> str | None:
                         "inputs": [spec.to_json() for spec in captured.inputs],
                         "parameter_of": captured.parameter_of, "buffer_of": captured.buffer_of,
                         "aliases": {k: list(v) for k, v in captured.aliases.items()},
-                        "master_itemsize": captured.master_itemsize})
+                        "master_itemsize": captured.master_itemsize, "frozen": sorted(captured.frozen)})
         ids = {}  # each lookup's ids, and where its bags start (bags of varying size) under "<name>/bags"
         for node in captured.graph.nodes:
             lookup = node.meta.get(LOOKUP_KEY)
@@ -239,6 +239,7 @@ def _captured(data: bytes, entry: dict, manifest: dict, path) -> Captured:
     captured = Captured(program, [TensorSpec.from_json(spec) for spec in entry["inputs"]], entry["parameter_of"],
                         entry["buffer_of"], found, {k: tuple(v) for k, v in entry["aliases"].items()})
     captured.master_itemsize = entry["master_itemsize"]
+    captured.frozen = frozenset(entry.get("frozen", ()))  # files saved before frozen parameters: none
     captured.compute_dtype = getattr(torch, manifest["compute_dtype"]) if manifest["compute_dtype"] else None
     return captured
 

@@ -63,6 +63,14 @@ class ParallelModule(nn.Module):
             self.register_state_dict_post_hook(mark_state_dict)
             watch_optimizers()
 
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """As ``nn.Module.train``, and the lowered programs too (not registered children): their
+        dropout and batch norm follow the mode (passes.lower), as the model's own would."""
+        super().train(mode)
+        for piece in self.lowered:  # the flag itself: torch.export's module refuses train()
+            piece.training = mode
+        return self
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer this rank holds, whole: sharded ones gathered, an expert
         weight that lives on its owner sent from there — a checkpoint one rank can save with
@@ -81,7 +89,9 @@ class ParallelModule(nn.Module):
     def _lowered_for(self, inputs: tuple) -> torch.fx.GraphModule:
         """The lowered program for these inputs' shapes: the planned one, or the plan lowered
         again at these shapes (once per shape; passes.relower)."""
-        return self.lowered[0] if self.relowering is None else self.relowering.module_for(inputs, self)
+        module = self.lowered[0] if self.relowering is None else self.relowering.module_for(inputs, self)
+        module.training = self.training  # one lowered again since the mode was last set follows it too
+        return module
 
     def _check_runtime_shapes(self, inputs: tuple) -> None:
         """Plans over several device groups run at their planned inputs only (each group's

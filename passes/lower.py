@@ -98,7 +98,7 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
     _rewrite(gm, plan, input_names)
-    _buffer_updates(gm)
+    _follow_mode(gm)
     if overlap:
         prefetch_gathers(gm.graph, set(plan.recompute), plan.options.get("prefetch_layers", 1))
     gm.recompile()
@@ -106,17 +106,34 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
         install(gm, gathers)
 
 
-def _buffer_updates(gm: torch.fx.GraphModule) -> None:
-    """The buffers a training forward updates (batch norm's running statistics) are written
-    back at its end — ``copy_`` nodes torch.export's module adds — through
-    ``runtime.update_buffer``, which does not bump the version autograd checks: the op that read
-    a buffer may have saved it for backward (batch norm saves its running statistics)."""
+_MODE_OPS = {torch.ops.aten.native_dropout.default: runtime.dropout,
+             torch.ops.aten._native_batch_norm_legit_functional.default: runtime.batch_norm}
+
+
+def _follow_mode(gm: torch.fx.GraphModule) -> None:
+    """The graph is captured in training mode; ops that behave otherwise in evaluation
+    (dropout, batch norm) follow the lowered module's mode at run time (``pmodel.eval()``):
+    ``runtime.dropout`` and ``runtime.batch_norm`` read it, and the buffers a training forward
+    updates (batch norm's running statistics; ``copy_`` nodes torch.export's module adds at the
+    end) are written back only in training, through ``runtime.update_buffer``, which does not
+    bump the version autograd checks: the op that read a buffer may have saved it for backward
+    (batch norm saves its running statistics)."""
+    graph = gm.graph
     buffers = {name for name, _ in gm.named_buffers()}
-    for node in gm.graph.nodes:
-        if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default
-                and isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"
-                and node.args[0].target in buffers):
-            node.target = runtime.update_buffer
+    mode = None
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        buffer_update = (node.target is torch.ops.aten.copy_.default and isinstance(node.args[0], torch.fx.Node)
+                         and node.args[0].op == "get_attr" and node.args[0].target in buffers)
+        if node.target not in _MODE_OPS and not buffer_update:
+            continue
+        if mode is None:
+            with graph.inserting_before(next(iter(graph.nodes))), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # a plain attribute, not a tensor
+                mode = graph.get_attr("training")
+        node.target = runtime.update_buffer if buffer_update else _MODE_OPS[node.target]
+        node.args = (*node.args, mode)
 
 
 def _relabel_experts(gm: torch.fx.GraphModule, plan: Plan) -> None:

@@ -1,6 +1,8 @@
 """Buffers a training forward updates — batch norm's running statistics — are written back
 the way eager batch norm leaves them: backward still runs (batch norm saved the statistics it
-read), and after the steps they hold what one process's model holds."""
+read), and after the steps they hold what one process's model holds. In evaluation
+(``pmodel.eval()``) batch norm reads them and dropout keeps everything, as the model's own
+modules do, and nothing is written back."""
 
 from __future__ import annotations
 
@@ -14,14 +16,15 @@ from distributed import run_world
 class NormNet(torch.nn.Module):
     """A convolution, batch norm and a classifier: the smallest model with running statistics."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.0) -> None:
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
         self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(dropout)
         self.fc = torch.nn.Linear(8, 4)
 
     def forward(self, x):
-        return self.fc(F.relu(self.bn(self.conv(x))).mean((2, 3)))
+        return self.fc(self.drop(F.relu(self.bn(self.conv(x))).mean((2, 3))))
 
 
 def _train_worker(configuration: str):
@@ -62,3 +65,39 @@ def test_batch_norm_trains_like_one_process_under_ddp_and_fsdp():
         found = run_world(2, _train_worker, configuration)
         assert "bn.running_mean" in found["buffers"], found
         assert found["worst"] < 1e-5, (configuration, found)
+
+
+def _evaluate_worker(configuration: str | None):
+    """A training step, then evaluation twice, then training again, beside one process's model
+    (with dropout: evaluation is deterministic, training is not compared)."""
+    torch.manual_seed(0)
+    model, x, y = NormNet(dropout=0.5), torch.randn(8, 3, 8, 8), torch.randint(0, 4, (8,))
+    single = NormNet(dropout=0.5)
+    single.load_state_dict(model.state_dict())
+    pmodel = autopar.parallelize(model, (x,), loss_fn=F.cross_entropy, configuration=configuration)
+    pmodel.step(x, target=y)
+    single(x)  # the same batch statistics folded into the running ones (dropout comes after them)
+    trained = {k: v.clone() for k, v in pmodel.full_state_dict().items() if "running" in k}
+    pmodel.eval()
+    single.eval()
+    with torch.no_grad():
+        first, again, expected = pmodel(x), pmodel(x), single(x)
+    untouched = pmodel.full_state_dict()
+    pmodel.train()
+    counted = int(pmodel.full_state_dict()["bn.num_batches_tracked"])
+    return {"eval": float((first - expected).abs().max()), "repeat": float((again - first).abs().max()),
+            "statistics": max(float((untouched[k] - v).abs().max()) for k, v in trained.items()),
+            "vs_single": max(float((untouched[k] - single.state_dict()[k]).abs().max()) for k in trained),
+            "batches": counted, "training": pmodel.training}
+
+
+def test_evaluation_reads_the_running_statistics_and_keeps_every_activation():
+    """After a training step, ``pmodel.eval()``: the outputs are the model's own in eval mode
+    (batch norm on the running statistics, dropout off), the same twice, and the running
+    statistics and batch count stay as training left them; ``pmodel.train()`` switches back."""
+    for configuration in ("ddp", None):
+        found = run_world(2, _evaluate_worker, configuration)
+        assert found["eval"] < 1e-5 and found["repeat"] == 0.0, (configuration, found)
+        assert found["statistics"] == 0.0 and found["vs_single"] < 1e-6, (configuration, found)
+        assert found["batches"] == 1 and found["training"], (configuration, found)
+

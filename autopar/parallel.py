@@ -30,6 +30,7 @@ from autopar.passes.split_loss import (
 from autopar.plan import Plan
 
 log = logging.getLogger(__name__)
+_MISSING = object()  # an input the caller did not give
 
 
 class ParallelModule(nn.Module):
@@ -107,17 +108,38 @@ class ParallelModule(nn.Module):
                                f"{given}; call it with those shapes, or plan again at these (one-mesh plans run at "
                                "any batch that divides over their devices)")
 
-    def forward(self, *inputs):
-        inputs = on_device(inputs, self.device)
+    def _positional(self, inputs: tuple, named: dict) -> tuple:
+        """``inputs`` with keyword inputs (``pmodel(input_ids=..., attention_mask=...)``) put in
+        the places the plan's inputs have (they carry the model's argument names)."""
+        if not named:
+            return inputs
+        names = [spec.name for spec in self.plan.inputs]
+        given: list = [*inputs, *[_MISSING] * (len(names) - len(inputs))]
+        for name, value in named.items():
+            if name not in names:
+                raise AutoparError(ErrorKind.BAD_INPUT, f"{name}= is not an input this plan was made with (its inputs, "
+                                   f"in order: {', '.join(names)}); plan the model with it as an example input")
+            if names.index(name) < len(inputs):
+                raise AutoparError(ErrorKind.BAD_INPUT, f"{name} is given twice: by position and as {name}=")
+            given[names.index(name)] = value
+        missing = [name for name, value in zip(names, given) if value is _MISSING]
+        if missing:
+            raise AutoparError(ErrorKind.BAD_INPUT, f"the plan's inputs {', '.join(missing)} are not given (its "
+                               f"inputs, in order: {', '.join(names)})")
+        return tuple(given)
+
+    def forward(self, *inputs, **named):
+        inputs = on_device(self._positional(inputs, named), self.device)
         if self.runtime is None:
             return tree_map(to_full, self._lowered_for(inputs)(*inputs))
         self._check_runtime_shapes(inputs)
         with torch.no_grad():
             return self.runtime.evaluate(inputs)
 
-    def step(self, *inputs, target=None) -> torch.Tensor:
-        """One forward and backward; returns the (detached) loss, the same on every rank."""
-        loss = self._step(inputs, target)
+    def step(self, *inputs, target=None, **named) -> torch.Tensor:
+        """One forward and backward; returns the (detached) loss, the same on every rank.
+        Inputs by position, or by the model's argument names as the plan recorded them."""
+        loss = self._step(self._positional(inputs, named), target)
         if self.watcher is not None:
             self.watcher.after_step()
         return loss

@@ -53,6 +53,7 @@ from autopar.passes.recompute import checkpoint_layers
 from autopar.passes.expert_order import Relabel, apply_relabel
 from autopar.passes.fuse import bag_pools, fuse_dispatches, fuse_table_wise
 from autopar.passes.place_state import distribute_state
+from autopar.passes.sample_local import SAMPLE_LOCAL
 from autopar.passes.prefetch import prefetch_gathers
 from autopar.passes.reshard import WEIGHT_GATHERS_ATTR, WeightGathers, install
 from autopar.passes.sparse import TABLE_WISE
@@ -236,6 +237,9 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
         elif node.target is torch.ops.aten.embedding.default and pl.Shard(0) in nplan.input_spec(0):
             node.args = (*node.args[:2], mesh_node, nplan.outputs[0])  # rows sharded: masked local lookup
             node.target = runtime.rowwise_embedding
+        elif node.target in SAMPLE_LOCAL:  # no DTensor rule: each device computes its own samples
+            node.args = (node.target, mesh_node, SAMPLE_LOCAL[node.target], tuple(nplan.outputs), *node.args)
+            node.target = runtime.sample_local_call
         elif nplan.fallback:
             for i in runtime.written_args(node.target):
                 if len(node.args[i].users) > 1:
@@ -309,7 +313,7 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
 
 
 _RUNTIME_FUNCS = {runtime.distribute_input, runtime.compute_copy, runtime.redistribute, runtime.replicate_constant,
-                  runtime.to_full, runtime.local_call, runtime.sparse_embedding,
+                  runtime.to_full, runtime.local_call, runtime.sample_local_call, runtime.sparse_embedding,
                   runtime.rowwise_embedding, runtime.stack_owned, relabel_experts,
                   runtime.table_wise_lookups, expert_runtime.dispatch_experts, local_attention,
                   bag_runtime.bag_input, bag_runtime.bag_numbers, bag_runtime.pool_bags, bag_runtime.id_count}

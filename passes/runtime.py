@@ -10,7 +10,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._redistribute import Redistribute
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._pytree import tree_map
@@ -181,6 +181,32 @@ def local_call(op, mesh, *args, **kwargs):
         local[i] = local[i].clone()
     out = op(*local, **tree_map(unwrap, kwargs))
     return tree_map(lambda t: replicate_constant(t, mesh), out)
+
+
+def sample_local_call(op, mesh, batch_arg: int | None, outputs: tuple[str, ...], *args):
+    """Run an op that computes each sample (dim 0) on its own, and that DTensor has no rule
+    for, on each device's samples (passes.sample_local): the inputs' local pieces in, the
+    outputs placed as ``outputs`` (each a placement spec) out. ``batch_arg``: the position of
+    the op's batch-size argument (group norm's N), set to this device's count. On the mesh dims
+    where the samples are split, a replicated input's (a weight's) gradient is this device's
+    share of a sum: it goes back partial, and is reduced as a data-parallel weight's is."""
+    split = next((tuple(d for d, p in enumerate(a.placements) if p == Shard(0))
+                  for a in args if isinstance(a, DTensor)), ())
+
+    def local(a):
+        if not isinstance(a, DTensor):
+            return a
+        grads = [Partial() if d in split and p.is_replicate() else p for d, p in enumerate(a.placements)]
+        return a.to_local(grad_placements=grads)
+
+    local_args = [local(a) for a in args]
+    if batch_arg is not None:
+        local_args[batch_arg] = local_args[0].shape[0]
+    out = op(*local_args)
+    values = out if isinstance(out, (tuple, list)) else (out,)
+    placed = tuple(DTensor.from_local(v, mesh, dtensor_placements(parse_spec(spec)), run_check=False)
+                   if isinstance(v, torch.Tensor) and spec is not None else v for v, spec in zip(values, outputs))
+    return placed if isinstance(out, (tuple, list)) else placed[0]
 
 
 def dim_order(stride: tuple[int, ...]) -> tuple[int, ...]:

@@ -51,6 +51,7 @@ from autopar.passes.cost import FUSED_ATTENTION, attention_args
 from autopar.passes.dtensor_ops import dtensor_placement, planned
 from autopar.passes.bag_strategies import bag_number_strategies, split_ids_by_bags_only
 from autopar.passes.embedding_bag import bag_split_inputs, id_indexed
+from autopar.passes.sample_local import SAMPLE_LOCAL, sample_local_rules
 from autopar.passes.strategy_types import Strategy, evenly_sharded, output_vals, tensor_args  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,8 @@ def one_dim_strategies(node: torch.fx.Node, size: int, by_bags: frozenset[str] =
         return [(tuple(pl.R if isinstance(v, torch.Tensor) else None for v in outs), ())]
     if node.target is FUSED_ATTENTION:
         return _attention_rules(node)
+    if node.target in SAMPLE_LOCAL:  # no DTensor rule; each device runs its samples (passes.sample_local)
+        return sample_local_rules(node)
     prop = DTensor._op_dispatcher.sharding_propagator
     if not _backward_supported(node.target, prop):
         return None

@@ -72,3 +72,4 @@ def test_frozen_parameters_hold_no_gradient_nor_optimizer_state_in_the_plan():
     saved = trained.memory.total_bytes - frozen.memory.total_bytes
     assert saved >= 3 * frozen_bytes, (saved, frozen_bytes)
     assert frozen.predicted_step_s < trained.predicted_step_s
+

@@ -59,7 +59,7 @@ TYPES = {f"autopar.{m}" for m in ("errors", "units", "devices", "cluster", "clus
 OPS = {"autopar.passes.dtensor_ops", "autopar.passes.expert_mm", "autopar.passes.bag_pooling"}
 ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "capture", "context_parallel", "cost", "decompose", "embedding_bag", "graph_edit", "expert_dispatch", "expert_order", "experts", "grouped_experts", "layers", "layer_recompute", "memory",
-    "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sparse", "stack_experts", "stages", "strategies", "strategy_types", "bag_strategies", "symbolic",
+    "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sample_local", "sparse", "stack_experts", "stages", "strategies", "strategy_types", "bag_strategies", "symbolic",
     "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
                                             "runtime", "attention_runtime", "expert_runtime", "bag_runtime", "bag_lower", "materialize", "recompute", "reshard", "split_loss", "relower",

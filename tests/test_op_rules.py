@@ -103,7 +103,9 @@ def test_an_op_whose_backward_is_composite_keeps_its_rules_and_one_with_a_kernel
     """``gather``'s backward (``gather_backward``) decomposes into zeros + scatter_add, which
     DTensor has rules for: gather splits by rows (before, it ran replicated and kept a MoE
     layer's rows replicated, so DeepSeek-V3 got no expert dispatch). ``avg_pool2d_backward``
-    is a kernel DTensor has no rule for: it still runs replicated."""
+    is a kernel DTensor has no rule for, so DTensor cannot run it split; but each sample pools
+    on its own, so it is planned replicated or with its samples split, and lowering runs it on
+    each device's samples (passes.sample_local)."""
     from autopar.passes.capture import capture
     from autopar.passes.strategies import one_dim_strategies
     from autopar.placements import Shard as S
@@ -115,4 +117,7 @@ def test_an_op_whose_backward_is_composite_keeps_its_rules_and_one_with_a_kernel
 
     gathered = rules(_Router(), torch.randn(8, 4), torch.ops.aten.gather.default)
     assert gathered is not None and ((S(0),), (S(0), S(0))) in gathered, gathered
-    assert rules(_Pooled(), torch.randn(2, 3, 8, 8), torch.ops.aten.avg_pool2d.default) is None
+    from autopar.placements import R
+
+    assert rules(_Pooled(), torch.randn(2, 3, 8, 8), torch.ops.aten.avg_pool2d.default) == [((R,), (R,)),
+                                                                                          ((S(0),), (S(0),))]

@@ -114,7 +114,9 @@ _MODE_OPS = {torch.ops.aten.native_dropout.default: runtime.dropout,
 def _follow_mode(gm: torch.fx.GraphModule) -> None:
     """The graph is captured in training mode; ops that behave otherwise in evaluation
     (dropout, batch norm) follow the lowered module's mode at run time (``pmodel.eval()``):
-    ``runtime.dropout`` and ``runtime.batch_norm`` read it, and the buffers a training forward
+    ``runtime.dropout`` and ``runtime.batch_norm`` read it — and ``runtime.dropout_mask`` where
+    a dropout was captured decomposed (``bernoulli_(keep)`` then ``div_(keep)``: torch.export
+    writes some so, and timm's drop-path is written so) — and the buffers a training forward
     updates (batch norm's running statistics; ``copy_`` nodes torch.export's module adds at the
     end) are written back only in training, through ``runtime.update_buffer``, which does not
     bump the version autograd checks: the op that read a buffer may have saved it for backward
@@ -127,14 +129,33 @@ def _follow_mode(gm: torch.fx.GraphModule) -> None:
             continue
         buffer_update = (node.target is torch.ops.aten.copy_.default and isinstance(node.args[0], torch.fx.Node)
                          and node.args[0].op == "get_attr" and node.args[0].target in buffers)
-        if node.target not in _MODE_OPS and not buffer_update:
+        if buffer_update:
+            replacement = runtime.update_buffer
+        elif node.target is torch.ops.aten.bernoulli_.float and _divided_by_its_probability(node):
+            replacement = runtime.dropout_mask
+            node.args, node.kwargs = (node.args[0], _probability(node)), {}
+        elif node.target in _MODE_OPS:
+            replacement = _MODE_OPS[node.target]
+        else:
             continue
         if mode is None:
             with graph.inserting_before(next(iter(graph.nodes))), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # a plain attribute, not a tensor
                 mode = graph.get_attr("training")
-        node.target = runtime.update_buffer if buffer_update else _MODE_OPS[node.target]
+        node.target = replacement
         node.args = (*node.args, mode)
+
+
+def _probability(node: torch.fx.Node) -> float:
+    """The probability of a ``bernoulli_.float`` node, given by position or by name."""
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+
+
+def _divided_by_its_probability(node: torch.fx.Node) -> bool:
+    """A ``bernoulli_(keep)`` whose mask is then divided by ``keep``: a dropout's mask."""
+    keep = _probability(node)
+    return any(user.target is torch.ops.aten.div_.Scalar and user.args[0] is node and user.args[1] == keep
+               for user in node.users)
 
 
 def _relabel_experts(gm: torch.fx.GraphModule, plan: Plan) -> None:

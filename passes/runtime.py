@@ -142,6 +142,13 @@ def dropout(x: torch.Tensor, p: float, train: bool | None, training: bool):
     return x, torch.ones_like(x, dtype=torch.bool)
 
 
+def dropout_mask(mask: torch.Tensor, keep: float, training: bool) -> torch.Tensor:
+    """``mask.bernoulli_(keep)`` as a dropout captured decomposed draws its mask (then divided by
+    ``keep``); in evaluation every element is kept: ``keep`` everywhere, which the division
+    makes 1."""
+    return mask.bernoulli_(keep) if training else mask.fill_(keep)
+
+
 def batch_norm(x, weight, bias, running_mean, running_var, train: bool, momentum: float, eps: float,
                training: bool):
     """``aten._native_batch_norm_legit_functional`` as captured in training (batch statistics,

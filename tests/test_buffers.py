@@ -101,3 +101,44 @@ def test_evaluation_reads_the_running_statistics_and_keeps_every_activation():
         assert found["statistics"] == 0.0 and found["vs_single"] < 1e-6, (configuration, found)
         assert found["batches"] == 1 and found["training"], (configuration, found)
 
+
+
+class _OutputDropout(torch.nn.Module):
+    """A small GPT with dropout on its logits: torch.export writes this one decomposed
+    (``bernoulli_(keep)`` then ``div_(keep)``), as timm writes its drop-path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from models import GPT
+
+        self.gpt = GPT(vocab=64, d=32, layers=4, heads=4, max_len=16)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, idx):
+        return self.drop(self.gpt(idx))
+
+
+def _decomposed_dropout_worker(family: str):
+    import os
+
+    torch.manual_seed(0)
+    model, single = _OutputDropout(), _OutputDropout()
+    single.load_state_dict(model.state_dict())
+    x = torch.randint(0, 64, (8, 16))
+    options = {"cluster": os.path.join(os.path.dirname(__file__), "clusters", "two_cpu_regions.yaml"),
+               "pipeline": True} if family == "pipeline" else {"configuration": "ddp"}
+    pmodel = autopar.parallelize(model, (x,), loss_fn=F.mse_loss, **options)
+    with torch.no_grad():
+        trained = pmodel(x)
+        pmodel.eval()
+        single.eval()
+        evaluated, expected = pmodel(x), single(x)
+    return {"family": pmodel.plan.family, "eval": float((evaluated - expected).abs().max()),
+            "dropped_in_training": float((trained - expected).abs().max())}
+
+
+def test_a_dropout_captured_decomposed_keeps_everything_in_evaluation():
+    for family in ("one_mesh", "pipeline"):
+        found = run_world(2, _decomposed_dropout_worker, family)
+        assert found["family"] == family, found
+        assert found["eval"] < 1e-6 and found["dropped_in_training"] > 0.1, (family, found)

@@ -144,13 +144,18 @@ def compute_inputs(example_inputs, compute_dtype: torch.dtype | None) -> tuple:
 @contextlib.contextmanager
 def computing_in(model: nn.Module, compute_dtype: torch.dtype | None):
     """While inside, ``model``'s floating parameters hold ``compute_dtype`` copies (buffers keep
-    theirs, as FSDP2's ``MixedPrecisionPolicy`` leaves them); restored on the way out, errors
-    included. Yields {parameter FQN: bytes per element of the model's own parameter}."""
+    theirs, as FSDP2's ``MixedPrecisionPolicy`` leaves them) — but batch norm's weight and bias
+    keep their dtype like its running statistics (torch's AMP leaves them so too; its kernels
+    refuse low-precision affine parameters beside fp32 statistics on CPU, and cuDNN's want them
+    in fp32); restored on the way out, errors included. Yields {parameter FQN: bytes per
+    element of the model's own parameter} for the parameters cast."""
     masters: dict[str, torch.Tensor] = {}
+    own = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+           if isinstance(module, nn.modules.batchnorm._BatchNorm) for name, _ in module.named_parameters(recurse=False)}
     try:
         if compute_dtype is not None:
             for fqn, param in model.named_parameters():
-                if param.is_floating_point() and param.dtype != compute_dtype:
+                if param.is_floating_point() and param.dtype != compute_dtype and fqn not in own:
                     masters[fqn] = param.data
                     param.data = param.data.to(compute_dtype)
         itemsize = {id(param): masters[fqn].element_size() for fqn, param in model.named_parameters() if fqn in masters}
@@ -185,7 +190,8 @@ def capture(model: nn.Module, example_inputs, compute_dtype: torch.dtype | None 
                 quiet_logs("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes"), \
                 _no_partial_graph_printed(), _source_lines(stack_traces):
             program = torch.export.export(model, args, strict=False)
-        with _source_lines(stack_traces):
+            # inside: a decomposition that retraces (a program that updates buffers: batch norm)
+            # runs the parameters as exported, in the compute dtype
             lower_fixed_bags(program)
             program = decompose(program)
     except AutoparError:

@@ -98,7 +98,9 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
     gathers = WeightGathers(overlap, plan.options.get("prefetch_layers", 1))
     setattr(gm, WEIGHT_GATHERS_ATTR, gathers)
     _relabel_experts(gm, plan)
-    _rewrite(gm, plan, input_names)
+    # parameters computing in their own dtype under mixed precision (batch norm's: capture)
+    own_dtype = {fqn for name, fqn in captured.parameter_of.items() if name not in captured.master_itemsize}
+    _rewrite(gm, plan, input_names, own_dtype)
     _follow_mode(gm)
     if overlap:
         prefetch_gathers(gm.graph, set(plan.recompute), plan.options.get("prefetch_layers", 1))
@@ -172,7 +174,7 @@ def _relabel_experts(gm: torch.fx.GraphModule, plan: Plan) -> None:
                                "pipeline stage cut between them?); re-plan this model")
 
 
-def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> None:
+def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str], own_dtype: set[str]) -> None:
     graph = gm.graph
     first = next(iter(graph.nodes))
     with graph.inserting_before(first), warnings.catch_warnings():
@@ -202,12 +204,13 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
             pplan = plan.parameters.get(node.target)
             produced[node.name] = pl.format_spec(pplan.state_spec) if pplan else replicated
             chain = [node]  # the weight as read, cast for compute, gathered once (ZeRO-2)
+            cast = None if node.target in own_dtype else compute_dtype
             if pplan and pplan.zero:  # ZeRO-2: gathered once for use (cast first), kept until backward
                 chain.append(_insert_after(graph, chain[-1], runtime.redistribute,
-                                           (chain[-1], mesh_node, pplan.placement, compute_dtype, reduce_dtype)))
+                                           (chain[-1], mesh_node, pplan.placement, cast, reduce_dtype)))
                 produced[chain[-1].name] = pplan.placement
-            elif compute_dtype is not None and pplan:
-                chain.append(_insert_after(graph, chain[-1], runtime.compute_copy, (chain[-1], compute_dtype)))
+            elif cast is not None and pplan:
+                chain.append(_insert_after(graph, chain[-1], runtime.compute_copy, (chain[-1], cast)))
                 produced[chain[-1].name] = produced[node.name]
             if pplan:
                 weights.update(n.name for n in chain)
@@ -231,7 +234,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
                 with graph.inserting_before(node):
                     if arg.name in weights and _gathers(have, want):  # FSDP: gathered again for backward
                         moved = _gather_weight(graph, arg, have, want, produced, (gathers, mesh_node),
-                                               compute_dtype, reduce_dtype, node_layer(node))
+                                               compute_dtype, reduce_dtype, node_layer(node), own_dtype)
                     else:
                         moved = graph.call_function(runtime.redistribute, (arg, mesh_node, want))
                     moved.meta["val"] = arg.meta.get("val")
@@ -301,7 +304,7 @@ def _rewrite(gm: torch.fx.GraphModule, plan: Plan, input_names: list[str]) -> No
 
 def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want: str, produced: dict,
                    attrs: tuple[torch.fx.Node, torch.fx.Node], compute_dtype, reduce_dtype,
-                   layer: str | None) -> torch.fx.Node:
+                   layer: str | None, own_dtype: set[str] = frozenset()) -> torch.fx.Node:
     """A sharded weight (or a view of it, a transposed matrix) gathered for its reader, as
     FSDP2 does: the parameter as it is stored is gathered — a plain all-gather along its
     sharded dims, which can run asynchronously (a transposed shard would need its pieces
@@ -312,7 +315,8 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
     reduces the gradient in ``reduce_dtype`` onto the master (FSDP2's
     ``MixedPrecisionPolicy``). Inserted before the reader; passes.prefetch moves the gather a
     layer ahead. ``layer``: the reader's, with which backward gathers the weight again
-    (passes.reshard, backward prefetch)."""
+    (passes.reshard, backward prefetch). ``own_dtype``: parameters that compute in their own
+    dtype (batch norm's under mixed precision): gathered without a cast."""
     gathers, mesh_node = attrs
     root, views = view_chain(weight)  # stops at a compute copy (no view)
     stored = produced.get(root.name)
@@ -320,6 +324,8 @@ def _gather_weight(graph: torch.fx.Graph, weight: torch.fx.Node, have: str, want
         root = root.args[0]
     if stored is None:  # not a placement lowering knows: gather the weight as read
         root, views, stored = weight, [], have
+    if root.op == "get_attr" and root.target in own_dtype:
+        compute_dtype = None
     whole = tuple(pl.R if a.is_shard and b is pl.R else s for a, b, s in
                   zip(pl.parse_spec(have), pl.parse_spec(want), pl.parse_spec(stored)))
     value = graph.call_method("gather", (gathers, root, mesh_node, pl.format_spec(whole), compute_dtype,

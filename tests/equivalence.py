@@ -157,12 +157,16 @@ def all_code(pmodel) -> str:
 
 def under_policy(model: torch.nn.Module, precision: str):
     """``model``'s forward as FSDP2's MixedPrecisionPolicy runs it on one process: its fp32
-    parameters (the masters the optimizer steps) cast to the compute dtype, floating inputs
-    cast, gradients flowing back onto the fp32 parameters."""
+    parameters (the masters the optimizer steps) cast to the compute dtype — batch norm's kept
+    in theirs, as autopar keeps them (passes.capture.computing_in) —, floating inputs cast,
+    gradients flowing back onto the fp32 parameters."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    own = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+           if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) for name, _ in module.named_parameters(recurse=False)}
 
     def forward(*inputs):
-        weights = {name: p.to(dtype) if p.is_floating_point() else p for name, p in model.named_parameters()}
+        weights = {name: p.to(dtype) if p.is_floating_point() and name not in own else p
+                   for name, p in model.named_parameters()}
         cast = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         return torch.func.functional_call(model, weights, cast)
     return forward

@@ -300,6 +300,23 @@ class MoEGPT(nn.Module):
         return self.head(self.ln(x))
 
 
+class NormConvNet(nn.Module):
+    """Convolutions with batch norm (running statistics, kept in fp32 under mixed precision)."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16 * 4 * 4, classes)
+
+    def forward(self, x):  # (B, 3, 16, 16)
+        x = F.max_pool2d(F.relu(self.bn1(self.c1(x))), 2)
+        x = F.avg_pool2d(F.relu(self.bn2(self.c2(x))), 2)
+        return self.fc(x.flatten(1))
+
+
 class ConvNet(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()

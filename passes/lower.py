@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from autopar import placements as pl
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
-from autopar.passes import bag_runtime, expert_runtime, runtime
+from autopar.passes import bag_runtime, expert_runtime, mode_ops, runtime
 from autopar.passes.bag_lower import BagLowering
 from autopar.passes.capture import Captured, compute_dtype_of, reduce_dtype_of
 from autopar.passes.attention_runtime import local_attention
@@ -109,18 +109,18 @@ def lower_module(gm: torch.fx.GraphModule, input_names: list[str], plan: Plan, m
         install(gm, gathers)
 
 
-_MODE_OPS = {torch.ops.aten.native_dropout.default: runtime.dropout,
-             torch.ops.aten._native_batch_norm_legit_functional.default: runtime.batch_norm}
+_MODE_OPS = {torch.ops.aten.native_dropout.default: mode_ops.dropout,
+             torch.ops.aten._native_batch_norm_legit_functional.default: mode_ops.batch_norm}
 
 
 def _follow_mode(gm: torch.fx.GraphModule) -> None:
     """The graph is captured in training mode; ops that behave otherwise in evaluation
     (dropout, batch norm) follow the lowered module's mode at run time (``pmodel.eval()``):
-    ``runtime.dropout`` and ``runtime.batch_norm`` read it — and ``runtime.dropout_mask`` where
+    ``mode_ops.dropout`` and ``mode_ops.batch_norm`` read it — and ``mode_ops.dropout_mask`` where
     a dropout was captured decomposed (``bernoulli_(keep)`` then ``div_(keep)``: torch.export
     writes some so, and timm's drop-path is written so) — and the buffers a training forward
     updates (batch norm's running statistics; ``copy_`` nodes torch.export's module adds at the
-    end) are written back only in training, through ``runtime.update_buffer``, which does not
+    end) are written back only in training, through ``mode_ops.update_buffer``, which does not
     bump the version autograd checks: the op that read a buffer may have saved it for backward
     (batch norm saves its running statistics)."""
     graph = gm.graph
@@ -132,9 +132,9 @@ def _follow_mode(gm: torch.fx.GraphModule) -> None:
         buffer_update = (node.target is torch.ops.aten.copy_.default and isinstance(node.args[0], torch.fx.Node)
                          and node.args[0].op == "get_attr" and node.args[0].target in buffers)
         if buffer_update:
-            replacement = runtime.update_buffer
+            replacement = mode_ops.update_buffer
         elif node.target is torch.ops.aten.bernoulli_.float and _divided_by_its_probability(node):
-            replacement = runtime.dropout_mask
+            replacement = mode_ops.dropout_mask
             node.args, node.kwargs = (node.args[0], _probability(node)), {}
         elif node.target in _MODE_OPS:
             replacement = _MODE_OPS[node.target]

@@ -88,7 +88,7 @@ def redistribute(x: DTensor, mesh, spec: str, dtype: torch.dtype | None = None,
 class _GatherNowReduceLater(Redistribute):
     """DTensor's redistribute whose forward waits for its collective and whose backward's does
     not: how an asynchronous weight gather runs under gloo (CPU meshes, or CUDA tensors over
-gloo). Gloo's all-gather, issued through
+    gloo). Gloo's all-gather, issued through
     functional collectives and left in flight, corrupts the heap now and then (``malloc():
     unaligned tcache chunk``, or a segfault in the next op that reads it — 3 of ~30 stress runs
     of 4 ranks × 600 rounds × 8 gathers in flight, and once in CI's test_any_batch); waited for
@@ -117,49 +117,6 @@ def replicate_constant(x, mesh):
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
         return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return x
-
-
-def update_buffer(buffer: torch.Tensor, value: torch.Tensor, training: bool = True) -> torch.Tensor:
-    """``buffer.copy_(value)`` at the end of a training forward (a buffer it updated: batch
-    norm's running statistics), in training only, without bumping the version autograd checks. The op that read
-    the buffer may have saved it for backward — batch norm saves its running statistics, and its
-    training-mode backward does not read them — and eager batch norm updates them in place
-    inside that same op, after which they are saved; written here afterwards, a plain
-    ``copy_`` failed the check in backward (the ResNet of examples/cnn.py, once the solver had
-    planned some batch norms on other placements than their statistics). ``.data`` shares
-    the storage under a version counter of its own."""
-    if training:
-        with torch.no_grad():
-            buffer.data.copy_(value)
-    return buffer
-
-
-def dropout(x: torch.Tensor, p: float, train: bool | None, training: bool):
-    """``aten.native_dropout`` as captured in training, the identity in evaluation (its mask:
-    every element kept)."""
-    if training:
-        return torch.ops.aten.native_dropout.default(x, p, train)
-    return x, torch.ones_like(x, dtype=torch.bool)
-
-
-def dropout_mask(mask: torch.Tensor, keep: float, training: bool) -> torch.Tensor:
-    """``mask.bernoulli_(keep)`` as a dropout captured decomposed draws its mask (then divided by
-    ``keep``); in evaluation every element is kept: ``keep`` everywhere, which the division
-    makes 1."""
-    return mask.bernoulli_(keep) if training else mask.fill_(keep)
-
-
-def batch_norm(x, weight, bias, running_mean, running_var, train: bool, momentum: float, eps: float,
-               training: bool):
-    """``aten._native_batch_norm_legit_functional`` as captured in training (batch statistics,
-    new running statistics); in evaluation, normalised by the running statistics, which it
-    hands back unchanged."""
-    if training:
-        return torch.ops.aten._native_batch_norm_legit_functional.default(
-            x, weight, bias, running_mean, running_var, train, momentum, eps)
-    out, mean, rstd = torch.ops.aten._native_batch_norm_legit_no_training.default(
-        x, weight, bias, running_mean, running_var, momentum, eps)
-    return out, mean, rstd, running_mean, running_var
 
 
 def to_full(x):

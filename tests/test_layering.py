@@ -62,12 +62,13 @@ ANALYSIS = {"autopar.passes"} | {f"autopar.passes.{m}" for m in (
     "build_problem", "node_memory", "problem_edges", "strategy_exchanges", "reshard_cost", "row_ops", "sample_local", "sparse", "stack_experts", "stages", "strategies", "strategy_types", "bag_strategies", "symbolic",
     "training_forward", "values", "weight_gradients")}
 LOWERING = {f"autopar.passes.{m}" for m in ("lower", "pipeline_lower", "replica_lower", "fuse", "grad_sync",
-                                            "runtime", "attention_runtime", "expert_runtime", "bag_runtime", "bag_lower", "materialize", "recompute", "reshard", "split_loss", "relower",
+                                            "runtime", "attention_runtime", "expert_runtime", "mode_ops", "bag_runtime", "bag_lower", "materialize", "recompute", "reshard", "split_loss", "relower",
                                             "prefetch", "link_probe", "place_state", "row_order_checkpoint")} | {"autopar.parallel"}
 FACE = {"autopar"} | {f"autopar.{m}" for m in ("api", "checkpoint", "cli", "cli_args", "cli_commands", "model_files",
                                                 "report", "plan_diff", "html_report", "profile", "profile_collectives", "profile_gpu", "timeline",
                                                 "trace")}
 RUNTIME = {"autopar.passes.runtime", "autopar.passes.attention_runtime", "autopar.passes.expert_runtime",
+           "autopar.passes.mode_ops",
            "autopar.passes.bag_runtime", "autopar.passes.reshard",
            "autopar.passes.row_order_checkpoint", "autopar.passes.split_loss", "autopar.parallel"}  # what a training step calls
 

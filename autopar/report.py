@@ -8,7 +8,7 @@ from collections import Counter
 from rich.console import Console
 from rich.table import Table
 
-from autopar.passes.layer_recompute import recorded_mode
+from autopar.passes.layer_recompute import group_modes, recorded_mode
 from autopar.placements import Shard, is_replicated, owned_dim, parse_spec
 from autopar.plan import Plan, layer_of_path
 from autopar.plan_types import ATTENTION_SEQUENCE_DIM, SPLIT_BACKWARD_SCHEDULES
@@ -206,12 +206,22 @@ def recompute_label(plan: Plan) -> str:
     if not plan.recompute:
         return "none"
     layers = _plan_layers(plan)
-    try:  # a pipeline's stages count their N-th layers each
-        mode = recorded_mode([st.layers for st in plan.stages] if plan.stages else [layers], plan.recompute)
-    except ValueError:  # a record no mode gives (edited by hand): show what it says
-        mode = next(iter(plan.recompute.values()))
     of = f" of {len(layers)}" if len(plan.recompute) < len(layers) else ""
-    return f"{mode} ({len(plan.recompute)}{of} layers)"
+    return f"{_recorded_mode(plan, layers)} ({len(plan.recompute)}{of} layers)"
+
+
+def _recorded_mode(plan: Plan, layers: list[str]) -> str:
+    """The mode ``plan`` recomputes with: one ("full", "full:2", …), or per pipeline stage
+    where they differ ("per stage: full / block:1 / none")."""
+    groups = [st.layers for st in plan.stages] if plan.stages else [layers]
+    try:  # a pipeline's stages count their N-th layers each
+        return recorded_mode(groups, plan.recompute)
+    except ValueError:
+        pass
+    try:  # under "auto" each stage recomputes what its own memory requires
+        return "per stage: " + " / ".join(group_modes(groups, plan.recompute))
+    except ValueError:  # a record no mode gives (edited by hand): show what it says
+        return next(iter(plan.recompute.values()))
 
 
 def recompute_line(plan: Plan) -> str:
@@ -220,11 +230,12 @@ def recompute_line(plan: Plan) -> str:
         return "recompute: none (every activation kept for backward)"
     layers = list(plan.recompute)
     named = ", ".join(layers) if len(layers) <= 3 else f"{layers[0]} … {layers[-1]}"
-    mode = next(iter(plan.recompute.values()))
-    what = "whole" if mode == "full" else "but their matmul and attention outputs"
-    every = len(_plan_layers(plan))
-    of = f" of {every}" if len(layers) < every else ""
-    line = f"recompute ({mode}): {len(layers)}{of} layers ({named}) rerun in backward, {what}"
+    kinds = set(plan.recompute.values())
+    what = "whole" if kinds == {"full"} else "but their matmul and attention outputs" if kinds == {"selective"} \
+        else "whole or (selective) but their matmul and attention outputs"
+    every = _plan_layers(plan)
+    of = f" of {len(every)}" if len(layers) < len(every) else ""
+    line = f"recompute ({_recorded_mode(plan, every)}): {len(layers)}{of} layers ({named}) rerun in backward, {what}"
     cost = plan.recompute_cost
     if cost:
         line += (f"; costs {format_seconds(cost['rerun_s'])} of forward a step, keeps "

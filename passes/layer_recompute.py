@@ -85,10 +85,17 @@ def recorded_mode(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, s
     stage with K layers or fewer, which reads back as "full" there). ValueError where a group
     follows no mode or no mode explains every group."""
     records = [{layer: recomputed[layer] for layer in group if layer in recomputed} for group in layer_groups]
-    modes = {recompute_mode(group, record) for group, record in zip(layer_groups, records)} - {"none"}
+    modes = set(group_modes(layer_groups, recomputed)) - {"none"}
     for mode in sorted(modes, key=lambda m: m == "full"):  # a stage all recomputed may be "block:K"'s
         if all(record == recomputed_layers(group, mode) for group, record in zip(layer_groups, records)):
             return mode
     if not modes:
         return "none"
     raise ValueError(f"its layer groups recompute differently ({sorted(modes)})")
+
+
+def group_modes(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, str]) -> list[str]:
+    """Each group's own mode (a pipeline's stages: under "auto" each recomputes only what its
+    memory requires, so they may differ). ValueError where a group follows no mode."""
+    return [recompute_mode(group, {layer: recomputed[layer] for layer in group if layer in recomputed})
+            for group in layer_groups]

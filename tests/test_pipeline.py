@@ -152,39 +152,64 @@ def test_pipeline_training_equals_single_process_two_stages_and_pp_by_dp():
             assert result["stage_meshes"] == [[2], [2]] and result["sliced"], result
 
 
+def _between_keeping_and_recomputing(model, x, cluster: str) -> tuple:
+    """The plans of a 2-stage pipeline (2 micro-batches) keeping every activation and
+    recomputing every layer, and a memory limit half-way between what they hold."""
+    kept = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2)
+    full = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2, recompute="full")
+    return kept, full, (full.memory.total_bytes + kept.memory.total_bytes) // 2
+
+
 @pytest.mark.distributed
 def test_groups_recompute_their_layers_and_train_like_one_process():
-    """recompute="full" inside pipeline stages and inside data-parallel replica groups: every
-    layer runs under torch.utils.checkpoint, and training still equals the single-process model."""
+    """recompute="full" inside pipeline stages and inside data-parallel replica groups, and
+    "auto" under a limit only the first stage (two micro-batches in flight) needs to recompute
+    for: the layers run under torch.utils.checkpoint where the plan says, and training still
+    equals the single-process model."""
+    import models
+
     cluster = os.path.join(CLUSTERS, "two_cpu_regions.yaml")
-    stages, replicas = run_world(2, check_pipelines, [
+    torch.manual_seed(0)
+    *_, limit = _between_keeping_and_recomputing(models.GPT(vocab=64, layers=4), torch.randint(0, 64, (8, 16)),
+                                                 cluster)
+    stages, replicas, first_only = run_world(2, check_pipelines, [
         (cluster, None, 3, 4, 8, "1F1B", {"pipeline": True, "micro_batches": 2, "recompute": "full"}),
-        (cluster, None, 3, 4, 8, "1F1B", {"replicas": True, "batch_split": (6, 2), "recompute": "selective"})])
+        (cluster, None, 3, 4, 8, "1F1B", {"replicas": True, "batch_split": (6, 2), "recompute": "selective"}),
+        (cluster, None, 3, 4, 8, "1F1B", {"pipeline": True, "micro_batches": 2, "memory_limit": limit})])
     assert len(stages["stages"]) == 2 and replicas["batch_split"] == [6, 2]
-    for result, mode in ((stages, "full"), (replicas, "selective")):
+    first, last = first_only["stages"]
+    assert first_only["recompute"] and set(first_only["recompute"]) <= set(first), first_only
+    for result, recomputed in ((stages, dict.fromkeys(map("blocks.{}".format, range(4)), "full")),
+                               (replicas, dict.fromkeys(map("blocks.{}".format, range(4)), "selective")),
+                               (first_only, first_only["recompute"])):
         assert result["checkpointed"] and result["all_params_covered"], result
-        assert result["recompute"] == {f"blocks.{k}": mode for k in range(4)}, result["recompute"]
+        assert result["recompute"] == recomputed, result["recompute"]
         assert result["loss"] < 2e-6 and result["grad"] < 1e-6 and result["param"] < 1e-6, result
         assert result["output"] < 2e-6, result
 
 
 def test_a_pipeline_that_does_not_fit_recomputes_its_layers():
-    """recompute="auto" on pipeline stages, as on one mesh: every activation kept when a cut
-    fits; under a memory limit only recomputation meets, the stages recompute their layers —
-    the faster of selective and full, whichever fit."""
+    """recompute="auto" on pipeline stages, as on one mesh but stage by stage: every activation
+    kept when a cut fits; under a memory limit only recomputation meets, each stage recomputes
+    only what its own memory requires — here the first (two micro-batches in flight under 1F1B)
+    reruns some of its layers, the last keeps everything — no slower than every stage rerunning
+    its layers (selective or full, whichever fit), and a re-plan costs it as planned."""
     import models
+    from autopar.planning.pipeline import stage_modes
+    from autopar.report import recompute_label
 
     torch.manual_seed(0)
     model, x = models.GPT(vocab=64, layers=4), torch.randint(0, 64, (8, 16))
     cluster = os.path.join(CLUSTERS, "two_cpu_regions.yaml")
-    kept = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2)
-    full = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2, recompute="full")
+    kept, full, limit = _between_keeping_and_recomputing(model, x, cluster)
     assert not kept.recompute and set(full.recompute.values()) == {"full"}
     assert full.memory.total_bytes < kept.memory.total_bytes
-    limit = (full.memory.total_bytes + kept.memory.total_bytes) // 2
     auto = autopar.plan(model, (x,), cluster=cluster, pipeline=True, micro_batches=2, memory_limit=limit)
     assert auto.family == "pipeline" and auto.recompute and auto.memory.total_bytes <= limit
     assert auto.recompute_cost["rerun_s"] > 0 and auto.predicted_step_s > kept.predicted_step_s
+    first, last = stage_modes(auto)
+    assert first != "none" and last == "none", stage_modes(auto)
+    assert recompute_label(auto).startswith(f"per stage: {first} / none"), recompute_label(auto)
     steps = []
     for mode in ("selective", "full"):
         try:
@@ -192,7 +217,10 @@ def test_a_pipeline_that_does_not_fit_recomputes_its_layers():
                                       memory_limit=limit, recompute=mode).predicted_step_s)
         except AutoparError as exc:
             assert exc.kind is ErrorKind.INFEASIBLE_MEMORY
-    assert steps and auto.predicted_step_s == min(steps), (auto.predicted_step_s, steps)
+    assert steps and auto.predicted_step_s < min(steps), (auto.predicted_step_s, steps)
+    again = autopar.replan(auto, cluster, memory_limit=limit)  # its stages costed each in its own mode
+    assert again.previous_step_s == pytest.approx(auto.predicted_step_s, rel=1e-9), again
+    assert again.plan.predicted_step_s == pytest.approx(auto.predicted_step_s, rel=1e-6), again
 
 
 def test_hosts_of_one_kind_get_pipeline_stages_when_asked_or_when_one_mesh_cannot_fit():

@@ -73,7 +73,7 @@ def test_every_other_layer_recomputed_sits_between_keeping_and_recomputing_every
     from autopar.report import recompute_label, recompute_line
 
     assert recompute_label(plans["full:2"]) == "full:2 (2 of 4 layers)" and recompute_label(plans["full"]) == "full (4 layers)"
-    assert "recompute (full): 2 of 4 layers (blocks.1, blocks.3) rerun in backward, whole" in recompute_line(plans["full:2"])
+    assert "recompute (full:2): 2 of 4 layers (blocks.1, blocks.3) rerun in backward, whole" in recompute_line(plans["full:2"])
     with pytest.raises(AutoparError, match="unknown recompute 'full:1'"):
         autopar.plan(model, (x,), cluster="2xH100", recompute="full:1")
 
@@ -95,7 +95,7 @@ def test_the_cli_takes_every_nth_layer_and_refuses_other_modes(capsys):
 def test_pipeline_stages_recompute_every_nth_layer_of_their_own():
     """Under "full:2" each stage reruns the 2nd, 4th, … of its own layers; re-costing the plan
     (a re-plan's first step) reads that mode back from the stages."""
-    from autopar.planning.pipeline import _stages_recompute
+    from autopar.passes.layer_recompute import recorded_mode
 
     model, x = _gpt()
     plan = autopar.plan(model, (x,), cluster=str(CLUSTERS / "four_cpu_regions.yaml"), recompute="full:2",
@@ -103,7 +103,7 @@ def test_pipeline_stages_recompute_every_nth_layer_of_their_own():
     assert plan.family == "pipeline"
     expected = {layer: "full" for st in plan.stages for k, layer in enumerate(st.layers) if k % 2 == 1}
     assert plan.recompute == expected and expected
-    assert _stages_recompute(plan) == "full:2"
+    assert recorded_mode([st.layers for st in plan.stages], plan.recompute) == "full:2"
     from autopar.report import recompute_label
 
     assert recompute_label(plan).startswith("full:2 ("), recompute_label(plan)

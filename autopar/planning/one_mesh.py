@@ -27,7 +27,7 @@ from autopar.planning.costing import plan_choice, priced
 from autopar.planning.hand_written import baseline_problem, cost_baselines
 from autopar.planning.mesh_plan import to_plan
 from autopar.planning.options import PlanOptions
-from autopar.planning.recompute_cut import faster_recomputing, fewest_layers
+from autopar.planning.recompute_cut import recompute_where_needed
 from autopar.units import format_bytes
 from autopar.problem import ShardingProblem, Solution
 from autopar.passes.capture import Captured
@@ -44,11 +44,6 @@ from autopar.solvers.baselines import BASELINES, BASELINES_2D, configurations
 log = logging.getLogger(__name__)
 
 
-# a plan keeping every activation that fills this share of the memory limit may have been
-# shaped by it: recomputation is tried as well (OneMesh.plan)
-MEMORY_BOUND = 0.85
-
-
 class OneMesh:
     """Family "one_mesh": one mesh over every device of the cluster."""
 
@@ -58,40 +53,10 @@ class OneMesh:
         return None  # any cluster is one mesh (mixed devices run at the slowest one's pace)
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
-        """The best plan keeping every activation. When none fits (``recompute="auto"``): the
-        faster of the best plan recomputing every layer's cheap ops (selective) and the best
-        recomputing whole layers — the plan recomputing every layer (full), its placements then
-        kept with only as many of the first layers recomputed as they need (:func:`fewest_layers`,
-        ``block:K``). Both are searched: rerunning more forward work can still be the faster
-        plan, where the memory it frees lets the placements move less (a small GPT on 2×H100
-        at a limit between full:2's least memory and selective's: full 56 µs, every other layer
-        162 µs). When the plan keeping everything fills most of memory (:data:`MEMORY_BOUND`),
-        memory may have made it shard or move more than it would otherwise: the selective plan
-        is made too, and the faster of the two wins."""
-        auto = options.recompute == "auto" and bool(layer_order(graphs.full.graph))
-        try:
-            kept = mesh_search(graphs, cluster, options).best()
-        except AutoparError as exc:
-            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or not auto:
-                raise
-            error = exc
-        else:
-            if not auto or kept.memory.total_bytes < MEMORY_BOUND * cluster.memory_limit_bytes:
-                return kept
-            log.info("the plan keeping every activation fills %s: trying selective recomputation too",
-                     format_bytes(kept.memory.total_bytes))
-            try:
-                selective = mesh_search(graphs, cluster, dataclasses.replace(options, recompute="selective")).best()
-            except AutoparError as exc:
-                if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-                    raise
-                return kept
-            return selective if selective.predicted_step_s < kept.predicted_step_s else kept
-        def searched(changed: PlanOptions) -> "MeshSearch":
-            return mesh_search(graphs, cluster, changed)
-
-        return faster_recomputing(options, lambda changed: searched(changed).best(), error,
-                                  cut=lambda full: fewest_layers(graphs, cluster, options, full, searched))
+        """The best plan, recomputing layers only where memory requires it
+        (planning.recompute_cut.recompute_where_needed)."""
+        return recompute_where_needed(lambda changed: mesh_search(graphs, cluster, changed), cluster, options,
+                                      layer_order(graphs.full.graph))
 
     def lower(self, plan: Plan, model, loss_fn: Callable | None, captured: Captured | None = None):
         from torch.distributed.device_mesh import init_device_mesh

@@ -24,12 +24,11 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import Plan
 from autopar.planning.options import PlanOptions
-from autopar.planning.recompute_cut import faster_recomputing
 from autopar.planning.schedules import Layout, schedule_layouts
 from autopar.planning.stage_costs import StageCosts
 from autopar.units import format_bytes
 from autopar.passes.capture import Captured
-from autopar.passes.layer_recompute import recorded_mode
+from autopar.passes.layer_recompute import group_modes
 from autopar.passes.stages import layer_order
 
 log = logging.getLogger(__name__)
@@ -62,22 +61,6 @@ def stage_groupings(graphs, cluster: Cluster) -> list[Cluster]:
                     if all(h % k == 0 for h in hosts) and k * len(regions) <= layers]
 
 
-def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
-    """``plan_with(options)`` under the recompute mode ``options.recompute`` names; under "auto",
-    keeping every activation when that fits, else the faster of selective and full
-    (planning.recompute_cut.faster_recomputing: the one-mesh family's rule, without its cut to
-    block:K)."""
-    if options.recompute != "auto":
-        return plan_with(options)  # full:N / block:K in each stage
-    try:
-        return plan_with(dataclasses.replace(options, recompute="none"))
-    except AutoparError as exc:
-        if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
-            raise
-        kept = exc
-    return faster_recomputing(options, plan_with, kept)
-
-
 class PipelineStages:
     """Family "pipeline": stages over the cluster's device groups, in their order."""
 
@@ -98,7 +81,8 @@ class PipelineStages:
         region's hosts cut into k equal groups of consecutive hosts (:func:`stage_groupings`;
         a cluster of one kind only the latter). Sparse tables and MoE experts are planned inside
         their stage as on one mesh (touched rows and expert loads per micro-batch). Activation
-        checkpointing as on one mesh (:func:`fastest_that_fits`)."""
+        checkpointing as on one mesh, each stage for its own layers (under "auto": only the
+        stages that need it, planning.recompute_cut.recompute_where_needed)."""
         views = stage_groupings(graphs, cluster)
         if not views:
             layers = len(layer_order(graphs.full.graph))
@@ -108,7 +92,7 @@ class PipelineStages:
         best, error = None, None
         for view in views:
             try:
-                plan = fastest_that_fits(options, lambda chosen: self._plan(graphs, view, chosen))
+                plan = self._plan(graphs, view, options)
             except AutoparError as exc:
                 if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
                     raise
@@ -170,11 +154,11 @@ class PipelineStages:
         return ParallelModule(merged_module(modules), plan, loss_fn, runtime, pieces=modules, device=device)
 
 
-def _stages_recompute(plan: Plan) -> str:
-    """The recompute mode ``plan``'s stages were planned with: each applies it to its own layers
-    (under "full:N", the N-th, 2N-th, … of the stage), so it is read back stage by stage."""
+def stage_modes(plan: Plan) -> list[str]:
+    """The recompute mode each of ``plan``'s stages was planned with, read from its own layers
+    (under "full:N", the N-th, 2N-th, … of the stage; under "auto" each stage chose its own)."""
     try:
-        return recorded_mode([st.layers for st in plan.stages], plan.recompute)
+        return group_modes([st.layers for st in plan.stages], plan.recompute)
     except ValueError as exc:
         raise AutoparError(ErrorKind.BAD_PLAN, f"{exc}; re-plan") from None
 
@@ -194,16 +178,20 @@ def recost_pipeline(graphs, plan: Plan, cluster: Cluster, options: PlanOptions) 
     groups = cluster.groups()
     m = plan.micro_batches
     layout = Layout(plan.schedule or "1F1B", len(groups), plan.virtual_stages)
-    options = dataclasses.replace(options, recompute=_stages_recompute(plan),
-                                  schedule=layout.schedule)
-    stages = StageCosts(graphs.at_rows(graphs.inputs[0].shape[0] // m), cluster, groups, m, options)
+    captured = graphs.at_rows(graphs.inputs[0].shape[0] // m)
+    modes = stage_modes(plan)
+    costs: dict[str, StageCosts] = {}  # a stage's recompute mode -> the stages planned with it
+    for mode in modes:
+        if mode not in costs:
+            costs[mode] = StageCosts(captured, cluster, groups, m,
+                                     dataclasses.replace(options, recompute=mode, schedule=layout.schedule))
     layers = [layer for st in plan.stages for layer in st.layers]
-    if layers != stages.layers:
+    if layers != next(iter(costs.values())).layers:
         raise AutoparError(ErrorKind.BAD_PLAN, "its stages hold other layers than the model has; re-plan")
     cuts = [0]
     for st in plan.stages:
         cuts.append(cuts[-1] + len(st.layers))
-    times = [stages.time_s(cuts[g], cuts[g + 1], g, layout) for g in range(layout.chunks)]
+    times = [costs[mode].time_s(cuts[g], cuts[g + 1], g, layout) for g, mode in enumerate(modes)]
     return layout.step_s(times, m)
 
 

@@ -1,24 +1,85 @@
-"""Which recomputation ``recompute="auto"`` takes when no plan keeping every activation fits:
-the faster of selective and whole layers (:func:`faster_recomputing`, every family's rule),
-and — the one-mesh family's — whole layers recomputed only where memory requires them: the
-full plan cut to the first K layers its placements need (``block:K``, Megatron-LM's block
-method) and solved again with K on its mesh (:func:`fewest_layers`)."""
+"""Which recomputation ``recompute="auto"`` takes. A plan keeps every activation where that
+fits (:func:`recompute_where_needed`); when none fits, or the one that does fills most of
+memory, the faster of selective and whole layers (:func:`faster_recomputing`), whole layers
+recomputed only where memory requires them: the full plan cut to the first K layers its
+placements need (``block:K``, Megatron-LM's block method) and solved again with K on its
+mesh (:func:`fewest_layers`). One mesh applies it to the model's layers, each pipeline stage
+to its own (so a first stage holding more micro-batches in flight may recompute while the
+last keeps everything); replicas share one plan and take one mode
+(:func:`fastest_that_fits`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import checked_mesh
 from autopar.plan import Plan
 from autopar.planning.options import PlanOptions
-from autopar.passes.stages import layer_order
+from autopar.cluster import Cluster
+from autopar.units import format_bytes
 
 log = logging.getLogger(__name__)
+
+# a plan keeping every activation that fills this share of the memory limit may have been
+# shaped by it: recomputation is tried as well (recompute_where_needed)
+MEMORY_BOUND = 0.85
+
+
+def recompute_where_needed(searched: Callable[[PlanOptions], Any], cluster: Cluster, options: PlanOptions,
+                           layers: Sequence[str]) -> Plan:
+    """The best plan of ``searched(options)`` (a MeshSearch with those options, made once per
+    options by the caller) keeping every activation. Under ``recompute="auto"`` with layers to
+    recompute, when none fits: the faster of the best plan recomputing every layer's cheap ops
+    (selective) and the best recomputing whole layers — the plan recomputing every layer (full),
+    its placements then kept with only as many of the first layers recomputed as they need
+    (:func:`fewest_layers`, ``block:K``). Both are searched: rerunning more forward work can
+    still be the faster plan, where the memory it frees lets the placements move less (a small
+    GPT on 2×H100 at a limit between full:2's least memory and selective's: full 56 µs, every
+    other layer 162 µs). When the plan keeping everything fills most of memory
+    (:data:`MEMORY_BOUND`), memory may have made it shard or move more than it would otherwise:
+    the selective plan is made too, and the faster of the two wins. ``layers``: the graph's
+    layers in the order it runs them (planning a pipeline stage: the stage's own)."""
+    auto = options.recompute == "auto" and bool(layers)
+    try:
+        kept = searched(options).best()
+    except AutoparError as exc:
+        if exc.kind is not ErrorKind.INFEASIBLE_MEMORY or not auto:
+            raise
+        error = exc
+    else:
+        if not auto or kept.memory.total_bytes < MEMORY_BOUND * cluster.memory_limit_bytes:
+            return kept
+        log.info("the plan keeping every activation fills %s: trying selective recomputation too",
+                 format_bytes(kept.memory.total_bytes))
+        try:
+            selective = searched(dataclasses.replace(options, recompute="selective")).best()
+        except AutoparError as exc:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                raise
+            return kept
+        return selective if selective.predicted_step_s < kept.predicted_step_s else kept
+    return faster_recomputing(options, lambda changed: searched(changed).best(), error,
+                              cut=lambda full: fewest_layers(layers, cluster, options, full, searched))
+
+
+def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
+    """``plan_with(options)`` under the recompute mode ``options.recompute`` names; under "auto",
+    keeping every activation when that fits, else the faster of selective and full
+    (:func:`faster_recomputing`, without the cut to block:K): one mode for a whole family's
+    plan (the replicas family: every replica runs one shared plan)."""
+    if options.recompute != "auto":
+        return plan_with(options)
+    try:
+        return plan_with(dataclasses.replace(options, recompute="none"))
+    except AutoparError as exc:
+        if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+            raise
+        kept = exc
+    return faster_recomputing(options, plan_with, kept)
 
 
 def faster_recomputing(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan], error: AutoparError,
@@ -44,7 +105,7 @@ def faster_recomputing(options: PlanOptions, plan_with: Callable[[PlanOptions], 
     return min(found, key=lambda plan: plan.predicted_step_s)
 
 
-def fewest_layers(graphs, cluster: Cluster, options: PlanOptions, plan: Plan,
+def fewest_layers(layers: Sequence[str], cluster: Cluster, options: PlanOptions, plan: Plan,
                   searched: Callable[[PlanOptions], Any]) -> Plan:
     """``plan`` (made with ``recompute="full"``) recomputing only the first K layers
     (``block:K``, Megatron's block method), K the fewest with which its placements fit — the
@@ -53,8 +114,8 @@ def fewest_layers(graphs, cluster: Cluster, options: PlanOptions, plan: Plan,
     allows; never slower: its own placements are a solution). ``plan`` itself when it already
     recomputes no more layers than it needs. The re-solve is on ``plan``'s mesh only: another
     mesh might do better with its own K (not searched: a search per K). ``searched(options)``:
-    the family's search with those options (planning.one_mesh.mesh_search, made once)."""
-    layers = layer_order(graphs.full.graph)
+    the search with those options (one mesh: planning.one_mesh.mesh_search; a pipeline stage:
+    its own), made once per options. ``layers``: the graph's, in the order it runs them."""
     recomputed = [layer for layer in layers if layer in plan.recompute]
     if len(recomputed) < 2:
         return plan

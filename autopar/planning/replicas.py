@@ -37,7 +37,8 @@ from autopar.plan import Plan, ReplicaPlan, TensorSpec
 from autopar.planning.costing import recost
 from autopar.planning.one_mesh import group_plan
 from autopar.planning.options import PlanOptions
-from autopar.planning.pipeline import fastest_that_fits, groups_unavailable
+from autopar.planning.pipeline import groups_unavailable
+from autopar.planning.recompute_cut import fastest_that_fits
 from autopar.units import format_bytes
 from autopar.passes.capture import Captured
 from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK
@@ -81,7 +82,7 @@ class ReplicaGroups:
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """Every group a replica of the one-mesh plan of its share of the batch, recomputing
-        its layers where keeping their activations does not fit (pipeline.fastest_that_fits)."""
+        its layers where keeping their activations does not fit (planning.recompute_cut.fastest_that_fits)."""
         return fastest_that_fits(options, lambda chosen: self._plan(graphs, cluster, chosen))
 
     def _plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:

@@ -25,8 +25,9 @@ from autopar.cluster import Cluster, DeviceGroup
 from autopar.comm import all_gather_s
 from autopar.errors import AutoparError, ErrorKind
 from autopar.plan import MemoryBreakdown, Plan, StagePlan, TensorSpec
-from autopar.planning.one_mesh import plan_or_no_fit, make_plan
+from autopar.planning.one_mesh import MeshSearch, make_plan, plan_or_no_fit
 from autopar.planning.options import PlanOptions
+from autopar.planning.recompute_cut import recompute_where_needed
 from autopar.planning.schedules import Layout
 from autopar.passes.build_problem import gradient_path
 from autopar.passes.capture import Captured
@@ -175,14 +176,28 @@ class StageCosts:
         if key not in self._plans:
             part = self._piece(i, j, g)
             boundary = [n.meta["val"] for n in part.graph.output_node().all_input_nodes]
-            self._plans[key] = (plan_or_no_fit(make_plan, part, cluster, self.options, baselines=False,
-                                                activation_copies=in_flight, annotate=False), boundary)
+            self._plans[key] = (plan_or_no_fit(self._chunk_plan, part, cluster, in_flight), boundary)
         plan, boundary = self._plans[key]
         if isinstance(plan, AutoparError):
             raise plan
         send_s = self._send_s(boundary, layout.group_of(g), layout.group_of(g + 1)) if j < len(self.layers) \
             else (0.0, 0.0)
         return plan, send_s
+
+    def _chunk_plan(self, part: Captured, cluster: Cluster, in_flight: int) -> Plan:
+        """The intra-operator plan of the stage graph ``part`` on ``cluster`` with ``in_flight``
+        micro-batches' activations held, recomputing as ``options.recompute`` says — under
+        "auto", the stage's own layers only where its memory requires it (a first stage of
+        1F1B holds the most micro-batches: it may recompute while the last keeps everything)."""
+        searches: dict[PlanOptions, MeshSearch] = {}
+
+        def searched(options: PlanOptions) -> MeshSearch:
+            if options not in searches:
+                searches[options] = MeshSearch(part, cluster, options, baselines=False,
+                                               activation_copies=in_flight, annotate=False)
+            return searches[options]
+
+        return recompute_where_needed(searched, cluster, self.options, layer_order(part.graph))
 
     def _send_s(self, vals: list[torch.Tensor], s: int, t: int) -> tuple[float, float]:
         """Boundary tensors of a stage on group ``s`` to the next on group ``t``, and their
@@ -233,10 +248,13 @@ class StageCosts:
         """The layer needing the most memory per device on its own, on the group with the
         most memory (for the error when nothing fits)."""
         roomiest = max(self.groups, key=lambda g: g.cluster.memory_limit_bytes)
+        # "auto" recomputes what does not fit: the least a layer needs is with it recomputed whole
+        options = dataclasses.replace(self.options, recompute="full") if self.options.recompute == "auto" \
+            else self.options
         worst = ("", 0)
         for k, layer in enumerate(self.layers):
             try:
-                make_plan(self._piece(k, k + 1, min(k, 1)), roomiest.cluster, self.options, baselines=False,
+                make_plan(self._piece(k, k + 1, min(k, 1)), roomiest.cluster, options, baselines=False,
                           annotate=False)
             except AutoparError as exc:
                 if exc.kind is ErrorKind.INFEASIBLE_MEMORY and (exc.needed_bytes or 0) > worst[1]:

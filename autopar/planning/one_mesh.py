@@ -97,13 +97,20 @@ def searched_cost(graphs, cluster: Cluster, options: PlanOptions, plan: Plan) ->
     return search.cost_of(plan) if search is not None else None
 
 
+def group_search(graphs, rows: int, cluster: Cluster, options: PlanOptions) -> "MeshSearch":
+    """The one-mesh search of ``graphs`` at ``rows`` rows over ``cluster``'s devices (a replica
+    group's), prepared once for these graphs per cluster value and options."""
+    key = ("group_search", rows, cluster.fingerprint(), dataclasses.replace(options, baselines=False))
+    return graphs.derived(key, lambda: MeshSearch(graphs.at_rows(rows), cluster, options, baselines=False))
+
+
 def group_plan(graphs, rows: int, cluster: Cluster, options: PlanOptions) -> Plan:
     """The best plan of ``graphs`` at ``rows`` rows over ``cluster``'s devices (a replica
-    group's), made once for these graphs per cluster value: a re-plan whose WAN link changed
-    finds each group's plan made (a group's own cluster holds no WAN link)."""
+    group's, :func:`group_search`), made once for these graphs per cluster value: a re-plan
+    whose WAN link changed finds each group's plan made (a group's own cluster holds no WAN
+    link)."""
     key = ("group_plan", rows, cluster.fingerprint(), dataclasses.replace(options, baselines=False))
-    found = graphs.derived(key, lambda: plan_or_no_fit(make_plan, graphs.at_rows(rows), cluster, options,
-                                                        baselines=False))
+    found = graphs.derived(key, lambda: plan_or_no_fit(lambda: group_search(graphs, rows, cluster, options).best()))
     if isinstance(found, AutoparError):
         raise found
     return found

@@ -5,8 +5,8 @@ recomputed only where memory requires them: the full plan cut to the first K lay
 placements need (``block:K``, Megatron-LM's block method) and solved again with K on its
 mesh (:func:`fewest_layers`). One mesh applies it to the model's layers, each pipeline stage
 to its own (so a first stage holding more micro-batches in flight may recompute while the
-last keeps everything); replicas share one plan and take one mode
-(:func:`fastest_that_fits`)."""
+last keeps everything); replicas share one plan and take one mode, their full plan cut to
+the K its largest replica needs (:func:`fastest_that_fits`, planning.replicas)."""
 
 from __future__ import annotations
 
@@ -66,11 +66,12 @@ def recompute_where_needed(searched: Callable[[PlanOptions], Any], cluster: Clus
                               cut=lambda full: fewest_layers(layers, cluster, options, full, searched))
 
 
-def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan]) -> Plan:
+def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan],
+                      cut: Callable[[Plan], Plan] | None = None) -> Plan:
     """``plan_with(options)`` under the recompute mode ``options.recompute`` names; under "auto",
     keeping every activation when that fits, else the faster of selective and full
-    (:func:`faster_recomputing`, without the cut to block:K): one mode for a whole family's
-    plan (the replicas family: every replica runs one shared plan)."""
+    (:func:`faster_recomputing`, ``cut`` applied to the full plan where given): one mode for a
+    whole family's plan (the replicas family: every replica runs one shared plan)."""
     if options.recompute != "auto":
         return plan_with(options)
     try:
@@ -79,7 +80,7 @@ def fastest_that_fits(options: PlanOptions, plan_with: Callable[[PlanOptions], P
         if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
             raise
         kept = exc
-    return faster_recomputing(options, plan_with, kept)
+    return faster_recomputing(options, plan_with, kept, cut)
 
 
 def faster_recomputing(options: PlanOptions, plan_with: Callable[[PlanOptions], Plan], error: AutoparError,
@@ -105,20 +106,16 @@ def faster_recomputing(options: PlanOptions, plan_with: Callable[[PlanOptions], 
     return min(found, key=lambda plan: plan.predicted_step_s)
 
 
-def fewest_layers(layers: Sequence[str], cluster: Cluster, options: PlanOptions, plan: Plan,
-                  searched: Callable[[PlanOptions], Any]) -> Plan:
-    """``plan`` (made with ``recompute="full"``) recomputing only the first K layers
-    (``block:K``, Megatron's block method), K the fewest with which its placements fit — the
-    memory of a fixed placement falls with every layer recomputed, so a bisection finds K —
-    then re-solved on its mesh with K, warm-started from it (placements may loosen where memory
-    allows; never slower: its own placements are a solution). ``plan`` itself when it already
-    recomputes no more layers than it needs. The re-solve is on ``plan``'s mesh only: another
-    mesh might do better with its own K (not searched: a search per K). ``searched(options)``:
-    the search with those options (one mesh: planning.one_mesh.mesh_search; a pipeline stage:
-    its own), made once per options. ``layers``: the graph's, in the order it runs them."""
+def fewest_needed(layers: Sequence[str], cluster: Cluster, options: PlanOptions, plan: Plan,
+                  searched: Callable[[PlanOptions], Any]) -> int | None:
+    """The fewest first layers ``plan``'s placements (made with ``recompute="full"`` by
+    ``searched``) need recomputed to fit ``cluster``'s memory — the memory of fixed placements
+    falls with every layer recomputed, so a bisection finds it on the problem of ``plan``'s
+    mesh built without edges — or None where no fewer than ``plan``'s layers do (or the
+    problem does not offer its placements by name)."""
     recomputed = [layer for layer in layers if layer in plan.recompute]
     if len(recomputed) < 2:
-        return plan
+        return None
     search = searched(dataclasses.replace(options, recompute="full"))
     mesh = checked_mesh(cluster, tuple(plan.mesh_shape))
     low, high = 1, len(recomputed)  # block:len(recomputed) is full itself: it fits
@@ -133,8 +130,23 @@ def fewest_layers(layers: Sequence[str], cluster: Cluster, options: PlanOptions,
         if exc.kind is not ErrorKind.BAD_PLAN:
             raise
         log.info("recomputed layers not cut: %s", exc.message)
-        return plan
-    if low == len(recomputed):
+        return None
+    return None if low == len(recomputed) else low
+
+
+def fewest_layers(layers: Sequence[str], cluster: Cluster, options: PlanOptions, plan: Plan,
+                  searched: Callable[[PlanOptions], Any]) -> Plan:
+    """``plan`` (made with ``recompute="full"``) recomputing only the first K layers
+    (``block:K``, Megatron's block method), K the fewest with which its placements fit
+    (:func:`fewest_needed`), then re-solved on its mesh with K, warm-started from it
+    (placements may loosen where memory allows; never slower: its own placements are a
+    solution). ``plan`` itself when it already
+    recomputes no more layers than it needs. The re-solve is on ``plan``'s mesh only: another
+    mesh might do better with its own K (not searched: a search per K). ``searched(options)``:
+    the search with those options (one mesh: planning.one_mesh.mesh_search; a pipeline stage:
+    its own), made once per options. ``layers``: the graph's, in the order it runs them."""
+    low = fewest_needed(layers, cluster, options, plan, searched)
+    if low is None:
         return plan
     log.info("its placements fit with the first %d of %d layers recomputed: re-solving with block:%d",
              low, len(layers), low)

@@ -35,12 +35,13 @@ from autopar.errors import AutoparError, ErrorKind
 from autopar.placements import split_over
 from autopar.plan import Plan, ReplicaPlan, TensorSpec
 from autopar.planning.costing import recost
-from autopar.planning.one_mesh import group_plan
+from autopar.planning.one_mesh import group_plan, group_search
 from autopar.planning.options import PlanOptions
 from autopar.planning.pipeline import groups_unavailable
-from autopar.planning.recompute_cut import fastest_that_fits
+from autopar.planning.recompute_cut import fastest_that_fits, fewest_needed
 from autopar.units import format_bytes
 from autopar.passes.capture import Captured
+from autopar.passes.stages import layer_order
 from autopar.passes.sparse import INDEX_BYTES, LOOKUP_KEY, SPARSE_ALLGATHER, UNIT_LINK
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,34 @@ class ReplicaGroups:
 
     def plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         """Every group a replica of the one-mesh plan of its share of the batch, recomputing
-        its layers where keeping their activations does not fit (planning.recompute_cut.fastest_that_fits)."""
-        return fastest_that_fits(options, lambda chosen: self._plan(graphs, cluster, chosen))
+        its layers where keeping their activations does not fit
+        (planning.recompute_cut.fastest_that_fits; whole layers only as many as the largest
+        replica needs, :meth:`_fewest_layers`)."""
+        return fastest_that_fits(options, lambda chosen: self._plan(graphs, cluster, chosen),
+                                 cut=lambda full: self._fewest_layers(graphs, cluster, options, full))
+
+    def _fewest_layers(self, graphs, cluster: Cluster, options: PlanOptions, full: Plan) -> Plan:
+        """``full`` (every replica recomputing every layer) or, where faster and it fits, every
+        group planned again recomputing only the first K layers (``block:K``), K the fewest the
+        largest replica's placements need (planning.recompute_cut.fewest_needed, on its group's
+        search; the others hold fewer rows)."""
+        main = max(full.replicas, key=lambda replica: replica.batch)
+        group = next(g for g in cluster.groups() if g.name == main.group)
+        shared = group_plan(graphs, main.batch, group.cluster, dataclasses.replace(options, recompute="full"))
+        layers = layer_order(graphs.full.graph)
+        needed = fewest_needed(layers, group.cluster, options, shared,
+                               lambda changed: group_search(graphs, main.batch, group.cluster, changed))
+        if needed is None:
+            return full
+        log.info("replicas fit with the first %d of %d layers recomputed: planning them with block:%d", needed,
+                 len(layers), needed)
+        try:
+            cut = self._plan(graphs, cluster, dataclasses.replace(options, recompute=f"block:{needed}"))
+        except AutoparError as exc:
+            if exc.kind is not ErrorKind.INFEASIBLE_MEMORY:
+                raise
+            return full
+        return cut if cut.predicted_step_s < full.predicted_step_s else full
 
     def _plan(self, graphs, cluster: Cluster, options: PlanOptions) -> Plan:
         batch = graphs.batch_rows("replicas")

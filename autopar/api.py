@@ -181,7 +181,8 @@ def watch_links(pmodel: ParallelModule, cluster: "str | Cluster", model: nn.Modu
     """Watch the links ``pmodel``'s plan crosses while it trains — between its device groups
     (pipeline stages, replicas), or between the regions or hosts its mesh spans; every rank
     calls this alike: every ``every`` steps ``pmodel.step`` times each link with a
-    ``probe_bytes`` ping-pong; when a link's measured bandwidth stays off
+    ``probe_bytes`` ping-pong (two replica groups: the step's own gradient all-reduce between
+    them); when a link's measured bandwidth stays off
     ``cluster``'s figure by more than ``threshold`` (0.5: 1.5× slower or faster) for
     ``patience`` checks in a row, rank 0 re-plans ``model`` (:func:`replan`) for ``cluster``
     with that link measured, and every rank's ``on_change(new_cluster, answer)`` gets the
@@ -199,7 +200,8 @@ def watch_links(pmodel: ParallelModule, cluster: "str | Cluster", model: nn.Modu
     target = Cluster.from_spec(cluster)
     pmodel.watcher = LinkWatcher(pmodel.plan, target, on_change,
                                  lambda plan, changed: replan(plan, changed, model, example_inputs),
-                                 every=every, threshold=threshold, patience=patience, probe_bytes=probe_bytes)
+                                 every=every, threshold=threshold, patience=patience, probe_bytes=probe_bytes,
+                                 runtime=pmodel.runtime)
     return pmodel.watcher
 
 

@@ -10,6 +10,8 @@ Evaluation gathers every group's outputs in batch order.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -38,6 +40,10 @@ class ReplicaRuntime:
         self.start, self.rows, self.total = sum(rows[:index]), rows[index], sum(rows)
         # sparse tables whose touched rows cross between groups instead of the dense all-reduce
         self.sparse = {fqn for fqn, table in plan.sparse.items() if table.get("between_groups") == SPARSE_ALLGATHER}
+        # the next step times its gradients' all-reduce between the groups (armed by the link
+        # watcher, planning.watch): (bytes each rank all-reduced, seconds), then disarmed
+        self.time_sync = False
+        self.timed_sync: tuple[int, float] | None = None
 
     def _mine(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.start:self.start + self.rows]
@@ -54,11 +60,15 @@ class ReplicaRuntime:
                     param.grad = _like(param.grad, sum_touched_rows(_local(param.grad), self.lane))
                 else:
                     by_dtype.setdefault(param.grad.dtype, []).append(param)
-            for members in by_dtype.values():
-                grads = [p.grad for p in members]
-                summed = all_reduce_flat([_local(g) for g in grads], [self.lane])
-                for param, grad, part in zip(members, grads, summed):
-                    param.grad = _like(grad, part)
+            with _timed(self.lane, self.time_sync) as timed:
+                for members in by_dtype.values():
+                    grads = [p.grad for p in members]
+                    summed = all_reduce_flat([_local(g) for g in grads], [self.lane])
+                    timed.nbytes += sum(part.numel() * part.element_size() for part in summed)
+                    for param, grad, part in zip(members, grads, summed):
+                        param.grad = _like(grad, part)
+            if self.time_sync:
+                self.timed_sync, self.time_sync = (timed.nbytes, timed.seconds), False
             total = loss.detach().clone()
             dist.all_reduce(total, group=self.lane)
         return total
@@ -68,6 +78,29 @@ class ReplicaRuntime:
         parts = [None] * dist.get_world_size(self.lane)
         dist.all_gather_object(parts, out.detach(), group=self.lane)
         return torch.cat(parts, dim=0)
+
+
+class _Timed:
+    """What :func:`_timed` measured: bytes all-reduced and the seconds they took."""
+
+    def __init__(self) -> None:
+        self.nbytes, self.seconds = 0, 0.0
+
+
+@contextlib.contextmanager
+def _timed(lane: dist.ProcessGroup, on: bool):
+    """Times the block's collectives on ``lane`` when ``on``: every rank of the lane starts
+    together (a barrier first, so a group still computing its backward does not count as a
+    slow link) and the clock stops when the data has arrived (CUDA synchronised)."""
+    timed = _Timed()
+    if on:
+        dist.barrier(group=lane)
+        start = time.perf_counter()
+    yield timed
+    if on:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        timed.seconds = time.perf_counter() - start
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

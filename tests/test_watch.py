@@ -146,3 +146,64 @@ def test_a_slower_link_is_detected_and_its_replan_reaches_the_hook():
     assert seen["bandwidth"] < seen["profiled"] / 5  # what it measured once the link slowed
     # over the slow link the old plan's sends cost more: the answer is another plan, worth switching to
     assert seen["changed"] and seen["switch"], seen
+
+
+def _replicas_through_a_slowdown() -> dict:
+    """Rank side: a replica plan over two regions (a ResidualMLP of width 256: 1 MiB of
+    gradients all-reduced between the groups each step), its link profiled by that all-reduce
+    itself; 4 steps with a watcher checking every step, which must never probe; from step 3
+    every all-reduce waits 0.5 s first. Returns what the hook saw."""
+    import time
+
+    import torch.distributed as dist
+
+    from test_overlap import ResidualMLP
+
+    torch.manual_seed(0)
+    model, x = ResidualMLP(256, 2), torch.randn(16, 256)
+    target = torch.zeros_like(x)
+    plan = autopar.plan(model, (x,), cluster=TWO_REGIONS, replicas=True)
+    pmodel = autopar.apply(model, plan, loss_fn=torch.nn.functional.mse_loss)
+    timed = []
+    for _ in range(3):  # the link as its own all-reduce sees it, unloaded: the fastest of three
+        pmodel.runtime.time_sync = True
+        pmodel.step(x, target=target)
+        timed.append(pmodel.runtime.timed_sync)
+    nbytes, seconds = min(timed, key=lambda t: t[1])
+    slowest = [None] * dist.get_world_size()
+    dist.all_gather_object(slowest, seconds)
+    profiled = Cluster.from_spec(TWO_REGIONS).with_link("a-b", nbytes / max(slowest), latency_s=0.0)
+    seen = []
+    watcher = autopar.watch_links(pmodel, profiled, model, (x,), lambda c, a: seen.append((c, a)),
+                                  every=1, threshold=4.0, patience=2)
+
+    def no_probe(pairs, nbytes):
+        raise AssertionError("two replica groups are timed by their own all-reduce, not probed")
+
+    watcher.probe = no_probe
+    all_reduce = dist.all_reduce
+    for step in range(4):
+        if step == 2:
+            def slow_all_reduce(*args, **kwargs):
+                time.sleep(0.5)
+                return all_reduce(*args, **kwargs)
+            dist.all_reduce = slow_all_reduce
+        pmodel.step(x, target=target)
+    dist.all_reduce = all_reduce
+    slowdowns = [round(r.slowdown, 1) for checks in watcher.readings for r in checks]
+    result = {"calls": len(seen), "slowdowns": slowdowns, "gradient_bytes": nbytes,
+              "profiled": profiled.wan_link("a", "b").bandwidth_Bps, "family": plan.family}
+    if seen:
+        result["bandwidth"] = seen[0][0].wan_link("a", "b").bandwidth_Bps
+    return result
+
+
+def test_replica_groups_are_watched_through_their_own_gradient_all_reduce():
+    """Two replica groups: the watcher reads the all-reduce the step makes anyway (no probe);
+    a 0.5 s wait on every all-reduce from the third step is two slow checks, one hook call with
+    the link at the bandwidth the slow all-reduce showed."""
+    seen = run_world(2, _replicas_through_a_slowdown)
+    assert seen["family"] == "replicas" and seen["gradient_bytes"] >= 1 << 20, seen
+    assert seen["calls"] == 1, seen
+    assert all(s < 5 for s in seen["slowdowns"][:2]) and all(s > 5 for s in seen["slowdowns"][2:]), seen
+    assert seen["bandwidth"] < seen["profiled"] / 5, seen

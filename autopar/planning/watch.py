@@ -5,7 +5,8 @@ re-partitions when measured bandwidth drifts from its profile). A :class:`LinkWa
 attached to a ``ParallelModule`` (``autopar.watch_links``) times each link the plan
 crosses every ``every`` steps — between its device groups (pipeline stages, replicas), or
 between the regions or hosts its mesh spans (passes.link_probe: one ping-pong per link, a
-few MiB) — compares the bandwidth it measures with the cluster's figure, and when a link stays
+few MiB; two replica groups: the plan's own gradient all-reduce between them, timed on the
+step before the check) — compares the bandwidth it measures with the cluster's figure, and when a link stays
 off by more than ``threshold`` for ``patience`` checks in a row, re-plans the model for the
 cluster with that link's measured bandwidth (``autopar.replan``: rank 0 plans, every rank
 gets the answer) and calls ``on_change(cluster, answer)`` on every rank. Nothing switches by
@@ -48,7 +49,7 @@ class LinkWatcher:
 
     def __init__(self, plan, cluster: Cluster, on_change: Callable, replan: Callable, *, every: int = 100,
                  threshold: float = 0.5, patience: int = 3, probe_bytes: int = 4 << 20,
-                 probe: Callable | None = None) -> None:
+                 probe: Callable | None = None, runtime=None) -> None:
         hops = _hops(plan, cluster)
         if not hops:
             raise AutoparError(ErrorKind.BAD_INPUT, f"watch_links watches the links between hosts, regions or the "
@@ -68,7 +69,11 @@ class LinkWatcher:
         self.probe = probe
         self.pairs = [pair for pair, _ in hops]
         self.hops = [link for _, link in hops]
+        # two replica groups: the plan's own gradient all-reduce between them is timed instead
+        # of a probe (passes.replica_lower.ReplicaRuntime.time_sync, armed a step before a check)
+        self.own = runtime if plan.replicas and len(self.hops) == 1 and hasattr(runtime, "time_sync") else None
         self.steps = 0
+        self._arm()
         self.readings: list[list[LinkReading]] = []  # every check's, in order
         self._streak: dict[str, list[float]] = {}  # link -> measured bandwidths of its current run off
 
@@ -76,13 +81,22 @@ class LinkWatcher:
         """Called by ``ParallelModule.step`` on every rank: a check every ``every`` steps.
         Returns the re-plan answer when a link drifted (the hook got it too), else None."""
         self.steps += 1
-        return self.check() if self.steps % self.every == 0 else None
+        answer = self.check() if self.steps % self.every == 0 else None
+        self._arm()
+        return answer
+
+    def _arm(self) -> None:
+        """Have the runtime time the next step's gradient all-reduce when a check follows it."""
+        if self.own is not None and (self.steps + 1) % self.every == 0:
+            self.own.time_sync = True
 
     def check(self):
-        """Time the links now; re-plan and call the hook when one has drifted for ``patience``
-        checks in a row."""
-        times = self.probe(self.pairs, self.probe_bytes)
-        readings = [self._reading(link, seconds) for link, seconds in zip(self.hops, times)]
+        """Time the links now (or read the replicas' timed all-reduce); re-plan and call the
+        hook when one has drifted for ``patience`` checks in a row."""
+        readings = self._own_readings()
+        if readings is None:
+            times = self.probe(self.pairs, self.probe_bytes)
+            readings = [self._reading(link, seconds, self.probe_bytes) for link, seconds in zip(self.hops, times)]
         self.readings.append(readings)
         by_link: dict[str, list[LinkReading]] = {}
         for reading in readings:  # several hops may cross one link (hosts of a region): their median counts
@@ -105,12 +119,37 @@ class LinkWatcher:
             self.on_change(cluster, answer)
         return answer
 
-    def _reading(self, link: str, seconds: float) -> LinkReading:
+    def _own_readings(self) -> list[LinkReading] | None:
+        """The link between two replica groups as their last timed gradient all-reduce saw it
+        (None without one: then a probe): each rank all-reduced ``nbytes`` with its peer in
+        the other group — a two-member ring, so it sent them once in 2 latencies, at the link's
+        all-reduce efficiency — and the lanes of two regions share their WAN link, as the plan
+        costs them (planning.replicas). The slowest rank's time counts."""
+        timed = self.own.timed_sync if self.own is not None else None
+        if timed is None or timed[0] <= 0:
+            return None
+        self.own.timed_sync = None
+        nbytes, seconds = timed
+        if dist.is_initialized():  # every rank decides on the same reading
+            every_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(every_rank, seconds)
+            seconds = max(every_rank)
+        link = self.hops[0]
         planned = self.cluster.link_named(link)
-        moving_s = self.probe_bytes / planned.bandwidth_Bps
+        sharing = len(self.plan.replicas[0].ranks) if link != "inter_node" else 1
+        return [self._reading(link, seconds, nbytes * sharing, latencies=2,
+                              efficiency=planned.efficiency("all_reduce"))]
+
+    def _reading(self, link: str, seconds: float, nbytes: int, latencies: int = 1,
+                 efficiency: float = 1.0) -> LinkReading:
+        """``nbytes`` over ``link`` took ``seconds``, ``latencies`` of its latency included and
+        moving at ``efficiency`` of its bandwidth."""
+        planned = self.cluster.link_named(link)
+        moving_s = nbytes / (planned.bandwidth_Bps * efficiency)
         # the time above the link's latency is the bytes moving: bandwidth = bytes / that time
-        measured_Bps = min(MAX_LINK_BANDWIDTH_Bps, self.probe_bytes / max(seconds - planned.latency_s, 1e-9))
-        return LinkReading(link, planned.bandwidth_Bps, measured_Bps, max(seconds - planned.latency_s, 0.0) / moving_s)
+        moving = seconds - latencies * planned.latency_s
+        measured_Bps = min(MAX_LINK_BANDWIDTH_Bps, nbytes / (efficiency * max(moving, 1e-9)))
+        return LinkReading(link, planned.bandwidth_Bps, measured_Bps, max(moving, 0.0) / moving_s)
 
     def _replanned(self, cluster: Cluster):
         """``replan(plan, cluster)`` on rank 0, the answer (or its error) sent to every rank."""

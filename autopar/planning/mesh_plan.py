@@ -7,6 +7,7 @@ one-mesh search (autopar.planning.one_mesh) makes it for the best mesh it finds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from autopar.cluster import Cluster
@@ -36,6 +37,34 @@ def _unclustered_variables(problem: ShardingProblem) -> int:
 
 
 _ALTERNATIVES = 4
+
+
+def replicated_on_one_device(problem: ShardingProblem, index: ProblemIndex, solution: Solution) -> Solution:
+    """``solution`` of a one-device mesh with every node that can moved to its cheapest
+    strategy placing everything replicated, where that costs no more time or memory: on one
+    device a split, a partial sum and the whole tensor are the same values, so the solver
+    settles their ties arbitrarily — and the lowered program then carries DTensor splits of one
+    device for nothing (a batch norm placed so met a DTensor gap, session 33). Kept only
+    where the whole assignment costs no more (every reshard between replicated tensors is free)
+    and still fits; else ``solution`` as it is."""
+    choice = list(solution.choice)
+    for i, s in enumerate(solution.choice):
+        if i in problem.fixed:
+            continue
+        whole = [t for t, strategy in enumerate(index.strategies[i])
+                 if all(spec is None or is_replicated(spec) for spec in (*strategy.outputs, *strategy.inputs))
+                 and (strategy.state is None or is_replicated(strategy.state)) and not strategy.exchange]
+        if whole:
+            t = min(whole, key=lambda t: (problem.node_costs[i][t], problem.node_memory[i][t]))
+            if problem.node_costs[i][t] <= problem.node_costs[i][s] and \
+                    problem.node_memory[i][t] <= problem.node_memory[i][s]:
+                choice[i] = t
+    if choice == solution.choice:
+        return solution
+    objective_s = problem.evaluate(choice)
+    if objective_s > solution.objective_s * (1 + 1e-12) or problem.memory(choice) > problem.memory_limit_bytes:
+        return solution
+    return dataclasses.replace(solution, choice=choice, objective_s=objective_s)
 
 
 def _local_costs(problem: ShardingProblem, choice: list[int], q: int, incident) -> list[float]:

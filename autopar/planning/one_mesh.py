@@ -25,7 +25,7 @@ from autopar.mesh import MeshSpec, candidate_meshes, checked_mesh, three_dim_ref
 from autopar.plan import Plan
 from autopar.planning.costing import plan_choice, priced
 from autopar.planning.hand_written import baseline_problem, cost_baselines
-from autopar.planning.mesh_plan import to_plan
+from autopar.planning.mesh_plan import replicated_on_one_device, to_plan
 from autopar.planning.options import PlanOptions
 from autopar.planning.recompute_cut import recompute_where_needed
 from autopar.units import format_bytes
@@ -318,6 +318,10 @@ class MeshSearch:
         if best is None:
             raise _infeasible(self.cluster, min(least_memory_bytes, default=0), candidates)
         mesh, problem, solution, index, excess, step_s = best
+        if math.prod(mesh.shape) == 1 and configuration is None:
+            replicated = replicated_on_one_device(problem, index, solution)
+            step_s += replicated.objective_s - solution.objective_s
+            solution = replicated
         plan_s = time.perf_counter() - self.start
         plan = to_plan(self.captured, self.cluster, mesh, problem, solution, index, candidates, self.options,
                         baselines, excess, step_s,

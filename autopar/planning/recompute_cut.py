@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from autopar.cluster import Cluster
 from autopar.errors import AutoparError, ErrorKind
 from autopar.mesh import checked_mesh
 from autopar.plan import Plan
 from autopar.planning.options import PlanOptions
-from autopar.cluster import Cluster
 from autopar.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,9 @@ def fewest_layers(layers: Sequence[str], cluster: Cluster, options: PlanOptions,
     (``block:K``, Megatron's block method), K the fewest with which its placements fit
     (:func:`fewest_needed`), then re-solved on its mesh with K, warm-started from it
     (placements may loosen where memory allows; never slower: its own placements are a
-    solution). ``plan`` itself when it already
-    recomputes no more layers than it needs. The re-solve is on ``plan``'s mesh only: another
-    mesh might do better with its own K (not searched: a search per K). ``searched(options)``:
+    solution). ``plan`` itself when it already recomputes no more layers than it needs. The
+    re-solve is on ``plan``'s mesh only: another mesh might do better with its own K (not
+    searched: a search per K). ``searched(options)``:
     the search with those options (one mesh: planning.one_mesh.mesh_search; a pipeline stage:
     its own), made once per options. ``layers``: the graph's, in the order it runs them."""
     low = fewest_needed(layers, cluster, options, plan, searched)

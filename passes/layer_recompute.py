@@ -84,8 +84,8 @@ def recorded_mode(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, s
     "full:N" the N-th, 2N-th, … of each stage, under "block:K" the first K of each — all of a
     stage with K layers or fewer, which reads back as "full" there). ValueError where a group
     follows no mode or no mode explains every group."""
-    records = [{layer: recomputed[layer] for layer in group if layer in recomputed} for group in layer_groups]
-    modes = set(group_modes(layer_groups, recomputed)) - {"none"}
+    records = _records(layer_groups, recomputed)
+    modes = {recompute_mode(group, record) for group, record in zip(layer_groups, records)} - {"none"}
     for mode in sorted(modes, key=lambda m: m == "full"):  # a stage all recomputed may be "block:K"'s
         if all(record == recomputed_layers(group, mode) for group, record in zip(layer_groups, records)):
             return mode
@@ -97,5 +97,9 @@ def recorded_mode(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, s
 def group_modes(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, str]) -> list[str]:
     """Each group's own mode (a pipeline's stages: under "auto" each recomputes only what its
     memory requires, so they may differ). ValueError where a group follows no mode."""
-    return [recompute_mode(group, {layer: recomputed[layer] for layer in group if layer in recomputed})
-            for group in layer_groups]
+    return [recompute_mode(group, record) for group, record in zip(layer_groups, _records(layer_groups, recomputed))]
+
+
+def _records(layer_groups: Sequence[Sequence[str]], recomputed: dict[str, str]) -> list[dict[str, str]]:
+    """``recomputed`` split by group: each group's own layers' entries."""
+    return [{layer: recomputed[layer] for layer in group if layer in recomputed} for group in layer_groups]

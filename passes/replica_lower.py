@@ -10,7 +10,6 @@ Evaluation gathers every group's outputs in batch order.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 
@@ -60,15 +59,20 @@ class ReplicaRuntime:
                     param.grad = _like(param.grad, sum_touched_rows(_local(param.grad), self.lane))
                 else:
                     by_dtype.setdefault(param.grad.dtype, []).append(param)
-            with _timed(self.lane, self.time_sync) as timed:
-                for members in by_dtype.values():
-                    grads = [p.grad for p in members]
-                    summed = all_reduce_flat([_local(g) for g in grads], [self.lane])
-                    timed.nbytes += sum(part.numel() * part.element_size() for part in summed)
-                    for param, grad, part in zip(members, grads, summed):
-                        param.grad = _like(grad, part)
-            if self.time_sync:
-                self.timed_sync, self.time_sync = (timed.nbytes, timed.seconds), False
+            timing, nbytes = self.time_sync, 0
+            if timing:  # every rank starts together: a group still in backward is not a slow link
+                dist.barrier(group=self.lane)
+                start = time.perf_counter()
+            for members in by_dtype.values():
+                grads = [p.grad for p in members]
+                summed = all_reduce_flat([_local(g) for g in grads], [self.lane])
+                nbytes += sum(part.numel() * part.element_size() for part in summed)
+                for param, grad, part in zip(members, grads, summed):
+                    param.grad = _like(grad, part)
+            if timing:
+                if loss.device.type == "cuda":  # NCCL's calls return once queued: wait for the data
+                    torch.cuda.synchronize(loss.device)
+                self.timed_sync, self.time_sync = (nbytes, time.perf_counter() - start), False
             total = loss.detach().clone()
             dist.all_reduce(total, group=self.lane)
         return total
@@ -78,29 +82,6 @@ class ReplicaRuntime:
         parts = [None] * dist.get_world_size(self.lane)
         dist.all_gather_object(parts, out.detach(), group=self.lane)
         return torch.cat(parts, dim=0)
-
-
-class _Timed:
-    """What :func:`_timed` measured: bytes all-reduced and the seconds they took."""
-
-    def __init__(self) -> None:
-        self.nbytes, self.seconds = 0, 0.0
-
-
-@contextlib.contextmanager
-def _timed(lane: dist.ProcessGroup, on: bool):
-    """Times the block's collectives on ``lane`` when ``on``: every rank of the lane starts
-    together (a barrier first, so a group still computing its backward does not count as a
-    slow link) and the clock stops when the data has arrived (CUDA synchronised)."""
-    timed = _Timed()
-    if on:
-        dist.barrier(group=lane)
-        start = time.perf_counter()
-    yield timed
-    if on:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        timed.seconds = time.perf_counter() - start
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
